@@ -1,0 +1,1 @@
+"""Benchmarks (run bench/benchmark.py)."""

@@ -1,0 +1,833 @@
+"""Performance benchmark of gnnray's data path against plain single-process DGL.
+
+Usage (from the repository root)::
+
+    .venv/bin/python bench/benchmark.py            # full: about 10 minutes on 2 cores
+    .venv/bin/python bench/benchmark.py --quick    # about 3 minutes, fewer batches and epochs
+    .venv/bin/python bench/benchmark.py --dataset synthetic --json out.json
+
+It starts one local Ray cluster, measures the five figures of the performance
+issue, prints one table (figure, ours, baseline, ratio, target, met?) and
+writes every number, with the settings and the machine, to ``--json``. Each
+measurement is guarded: one that fails shows its error in its row and the
+others still run.
+
+The figures (GraphSAGE, 3 layers, hidden 256, fanouts 15,10,5, batch 1024):
+
+1. Data-wait fraction: share of a train worker's step time spent waiting for
+   its next mini-batch, as the job itself reports it per epoch (``data_wait``
+   in ``metrics.jsonl``), median over the steady epochs (epoch 0 includes the
+   start of the sampler actors and is left out). Target: below 5%.
+2. Sampler overhead: mini-batches per second of one sampler actor in the real
+   Ray Data pipeline (seeds -> ``SamplerActor`` pool -> a consumer that unpacks
+   each row) against the same ``Sampler.sample`` calls on the same seeds in a
+   plain loop on one core. Rates are taken after the first few batches, so
+   actor start-up is excluded. With k=2 actors the rate is divided by k (per
+   actor). Target: at least 0.9x, i.e. packing, transport and unpacking cost at
+   most ~10% of sampling.
+3. Throughput: training seeds per second of ``gnnray.job.run`` (median
+   ``seeds_per_s`` of the steady epochs) against the DGL tutorials' loop in one
+   process (``dgl.dataloading.DataLoader`` + ``NeighborSampler``, the same
+   GraphSAGE from ``gnnray.model.build_model``, Adam, ``feat[input_nodes]``)
+   with the same model, fanouts, batch size and physical cores. Target: >= 1x.
+4. Memory: growth of the private memory (USS, after ``malloc_trim``) of
+   processes that do what a sampler actor or train worker does with the graph
+   (``GraphHandle.get``, ``to_dgl``, sample, gather features), at 1, 2 and 4
+   such processes, per process, against processes that each copy the graph
+   (``np.array``, as ``torch.multiprocessing.spawn`` examples do). Target: <5%
+   of the graph's size per process.
+5. GPU path: with a GPU, how much of the host-to-device copy the
+   ``Prefetcher`` hides behind compute on synthetic batches; "n/a" without one.
+
+``--quick`` keeps the same graph structure and features but marks only 20
+batches' worth of nodes as training nodes (and 2 batches' worth as validation
+and test), so epochs are short while each batch costs what it costs on the
+full graph; it also takes fewer batches for figure 2.
+
+Numbers from a busy or small machine are noisy (30-40% between runs on the
+2-core machines these were written on): compare the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("DGLBACKEND", "pytorch")
+
+import numpy as np  # noqa: E402
+
+from gnnray.config import DataConfig  # noqa: E402
+from gnnray.graph_store import Graph  # noqa: E402
+
+DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "arxiv-structure"
+DEFAULT_JSON = REPO / "bench-results" / "benchmark.json"
+
+
+# --------------------------------------------------------------------------- settings and results
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every measurement uses; ``--quick`` shrinks only the amounts of work."""
+
+    quick: bool
+    cores: int  # physical cores both sides of every comparison get
+    fanouts: tuple = (15, 10, 5)
+    batch_size: int = 1024
+    hidden: int = 256
+    dropout: float = 0.5
+    lr: float = 0.003
+    seed: int = 0
+    # Figure 2: batches consumed per configuration, and how many to skip first.
+    sampler_batches: int = 300
+    sampler_warmup: int = 10
+    # Figure 3: our epochs (the first is start-up), the DGL loop's steps.
+    epochs: int = 4
+    baseline_warmup: int = 3
+    baseline_steps: int = 40
+    workers: int = 1  # Ray Train workers; they share the cores (see trainer_cpus)
+    samplers: int = 1  # sampler actors in the pool
+    # Figure 4: batches each probe process samples before it is measured.
+    memory_batches: int = 4
+    memory_processes: tuple = (1, 2, 4)
+    # --quick: training/validation/test nodes kept, in batches.
+    quick_train_batches: int = 20
+    quick_eval_batches: int = 2
+
+    @property
+    def trainer_cpus(self) -> int:
+        """CPUs of each train worker: all the cores, split between workers.
+
+        The sampler actor is not given cores of its own: here sampling a batch
+        costs ~10% of a training step (figure 2 vs 3), so one actor needs a
+        tenth of a core, and the trainer's thread pool gets every core, as the
+        DGL loop does. Ray's logical CPUs are oversubscribed to allow it.
+        """
+        return max(1, self.cores // self.workers)
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table; ``detail`` goes to the JSON only."""
+
+    figure: str
+    ours: str = ""
+    baseline: str = ""
+    ratio: str = ""
+    target: str = ""
+    met: str = ""
+    detail: dict = dataclasses.field(default_factory=dict)
+
+
+def error_row(figure: str, target: str, exc: BaseException) -> Row:
+    message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:90]
+    return Row(figure, ours=f"error: {message}", target=target, met="error",
+               detail={"error": traceback.format_exception(type(exc), exc, exc.__traceback__)})
+
+
+def verdict(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def malloc_trim() -> None:
+    """Return freed heap memory to the OS so USS shows what is held, not glibc's cache."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Limit torch's and DGL's OpenMP pools to ``n`` threads (they are separate libgomp copies)."""
+    import dgl.utils
+    import torch
+
+    torch_before, dgl_before = torch.get_num_threads(), dgl.utils.get_num_threads()
+    torch.set_num_threads(n)
+    dgl.utils.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(torch_before)
+        dgl.utils.set_num_threads(dgl_before)
+
+
+def from_readonly(a: np.ndarray):
+    """``torch.from_numpy`` of a read-only Ray Data view without torch's warning (we only read it)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
+
+
+def steady_rate(times: list, warmup: int) -> float:
+    """Items per second between the arrival of item ``warmup`` and of the last one."""
+    if len(times) <= warmup + 1:
+        raise RuntimeError(f"only {len(times)} items arrived; need more than {warmup + 1}")
+    return (len(times) - 1 - warmup) / (times[-1] - times[warmup])
+
+
+def same_seed_batches(train_idx: np.ndarray, s: Settings, rows: int) -> tuple[list, int]:
+    """The first ``rows`` seed batches of ``seeds.seed_dataset`` with one worker, and the epochs they span."""
+    from gnnray.seeds import epoch_batches, steps_per_epoch
+
+    per_epoch = steps_per_epoch(len(train_idx), s.batch_size, 1)
+    epochs = math.ceil(rows / per_epoch)
+    batches = [b for e in range(epochs) for b in epoch_batches(train_idx, per_epoch, s.seed, e)]
+    return batches[:rows], epochs
+
+
+# --------------------------------------------------------------------------- data
+
+
+def base_data_config(dataset: Optional[str]) -> DataConfig:
+    """The issue's data: the arxiv structure with 128 random features, else an arxiv-sized synthetic graph."""
+    path = Path(dataset).expanduser() if dataset and dataset != "synthetic" else DEFAULT_DATASET
+    if dataset != "synthetic" and path.is_dir():
+        return DataConfig(dataset=str(path), add_reverse_edges=True, random_features=128)
+    if dataset not in (None, "synthetic"):
+        raise SystemExit(f"--dataset {dataset}: no such directory")
+    print(f"{DEFAULT_DATASET} not found: using the arxiv-sized synthetic graph", flush=True)
+    return DataConfig(dataset="synthetic", synthetic_nodes=169_343, synthetic_feat_dim=128, synthetic_classes=40)
+
+
+def quick_data_config(graph: Graph, s: Settings, workdir: Path, base: DataConfig) -> DataConfig:
+    """Write ``graph`` as a graph directory whose splits are cut to a few batches (``--quick``).
+
+    Same nodes, edges (reverse edges already added) and, with the same seed,
+    the same random features, so one batch costs what it does on the full
+    graph; only epochs get shorter.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = workdir / "quick-graph"
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(s.seed)
+    n = graph.num_nodes
+    split = np.full(n, "none", dtype=object)
+    keep = {"train": s.quick_train_batches, "valid": s.quick_eval_batches, "test": s.quick_eval_batches}
+    for name, batches in keep.items():
+        ids = graph.split(name)
+        split[rng.choice(ids, min(len(ids), batches * s.batch_size), replace=False)] = name
+    dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(graph.indptr))
+    pq.write_table(pa.table({"src": graph.indices, "dst": dst}), out / "edges.parquet")
+    pq.write_table(pa.table({"id": np.arange(n, dtype=np.int64), "label": graph.label,
+                             "split": pa.array(split, type=pa.string())}), out / "nodes.parquet")
+    (out / "meta.json").write_text(json.dumps({"num_nodes": n, "num_classes": graph.num_classes,
+                                               "name": f"{graph.name}-quick"}))
+    return DataConfig(dataset=str(out), add_reverse_edges=False, random_features=graph.feat_dim,
+                      seed=base.seed if base.random_features else s.seed)
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+def start_ray(s: Settings, verbose: bool) -> None:
+    """One local cluster for the whole run, with enough logical CPUs for the largest stage.
+
+    Logical CPUs exceed physical ones on purpose: every stage is given all the
+    physical cores (see ``Settings.trainer_cpus``); Ray's counts only decide
+    what may run at once.
+    """
+    import ray
+    import ray.data
+
+    if __name__ != "__main__":  # imported (python -m / tests): ship this module's actors by value
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    need = max(s.workers * s.trainer_cpus + s.samplers + 3, max(s.memory_processes) + 1, 3, s.cores)
+    # Keep the dashboard: Ray Train's placement-group cleaner asks the state API
+    # (served by it) whether the controller lives, and without it tears the
+    # workers down mid-run ("A worker health check failed").
+    ray.init(address="local", num_cpus=need, log_to_driver=verbose,
+             runtime_env={"env_vars": {"DGLBACKEND": "pytorch"}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+# --------------------------------------------------------------------------- figure 2: sampler overhead
+
+
+class StampedSamplerActor:
+    """``SamplerActor`` plus one column: when the actor started and finished each row.
+
+    A consumer's arrival times over a run of a few seconds mostly show how
+    fast it drains rows buffered while it started (it lags the actors by
+    seconds at first here); the actors' own timestamps give their steady
+    rate, and the time inside the call (sampling + packing) against the time
+    between calls shows what Ray Data's per-row work and waiting cost. The
+    extra column is 16 bytes a row.
+    """
+
+    def __init__(self, graph, fanouts):
+        from gnnray.sampling import SamplerActor
+
+        self._actor = SamplerActor(graph, fanouts)
+
+    def __call__(self, rows: dict) -> dict:
+        start = time.time()
+        out = self._actor(rows)
+        out["stamp"] = np.array([[start, time.time()]])
+        return out
+
+
+def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settings) -> list[Row]:
+    """Figure 2: one sampler actor's batches/s in the pipeline vs the same sampling in a plain loop.
+
+    Baseline: ``Sampler(graph, fanouts).sample(seeds)`` in this process with
+    torch and DGL limited to one thread, over exactly the seed batches the
+    pipeline gets (the first batches of ``seed_dataset``); run before and
+    after the pipelines and averaged, since the machine's load drifts.
+
+    Ours: ``seed_dataset(...).map_batches(SamplerActor, compute=ActorPoolStrategy(size=k), num_cpus=1)``,
+    read one row at a time as a train worker reads it, each row unpacked with
+    ``MiniBatch.unpack``. The rate is the actors' steady rate from batch
+    ``sampler_warmup`` on (so start-up is excluded), from the times the
+    actors finished each row; it includes sampling, packing and Ray Data's
+    per-row work in the actor (batch conversion, the object store put). The
+    consumer must keep up for that rate to be the pipeline's: its unpack time
+    and how far it lags the actors at the end are recorded. With k actors the
+    per-actor rate (total / k) is compared.
+    """
+    import ray.data
+
+    from gnnray.batch import MiniBatch
+    from gnnray.sampling import Sampler
+    from gnnray.seeds import seed_dataset
+
+    target = ">= 0.9x"
+    batches, epochs = same_seed_batches(seed_ids, s, s.sampler_batches)
+
+    def plain_loop() -> float:
+        with threads(1):
+            sampler = Sampler(graph, s.fanouts)
+            times = []
+            for seeds in batches:
+                sampler.sample(seeds)
+                times.append(time.perf_counter())
+        return steady_rate(times, s.sampler_warmup)
+
+    base_rates = [plain_loop()]
+    print(f"[2] plain loop, 1 core: {base_rates[0]:.1f} batches/s ({1000 / base_rates[0]:.0f} ms/batch)", flush=True)
+
+    measured = []
+    for k in (1, 2):
+        try:
+            seeds_ds = seed_dataset(seed_ids, s.batch_size, 1, 0, epochs, s.seed).limit(len(batches))
+            ds = seeds_ds.map_batches(
+                StampedSamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=s.fanouts), batch_size=1,
+                batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=k), num_cpus=1)
+            start, done, busy, arrived, unpack_s, nbytes = time.time(), [], [], [], 0.0, 0
+            for row in ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1):
+                t = time.perf_counter()
+                mb = MiniBatch.unpack(from_readonly(row["packed"][0]))
+                unpack_s += time.perf_counter() - t
+                assert mb.num_seeds > 0
+                arrived.append(time.time())
+                began, finished = row["stamp"][0].tolist()
+                done.append(finished)
+                busy.append(finished - began)
+                nbytes += row["packed"][0].nbytes
+            rate = steady_rate(sorted(done), s.sampler_warmup)
+            measured.append((k, dict(
+                actors=k, batches=len(done), warmup=s.sampler_warmup, total_batches_per_s=rate,
+                per_actor_batches_per_s=rate / k, first_batch_done_s=min(done) - start,
+                in_call_ms=1000 * statistics.mean(busy[s.sampler_warmup:]),
+                between_calls_ms=1000 * (k / rate - statistics.mean(busy[s.sampler_warmup:])),
+                consumer_lag_end_s=arrived[-1] - max(done), unpack_ms=1000 * unpack_s / len(done),
+                mean_packed_mib=nbytes / len(done) / 2**20)))
+            m = measured[-1][1]
+            print(f"[2] pipeline k={k}: {rate:.1f} batches/s total, {rate / k:.1f} per actor; in the actor "
+                  f"{m['in_call_ms']:.1f} ms/batch sampling+packing, {m['between_calls_ms']:.1f} ms between calls; "
+                  f"first batch {m['first_batch_done_s']:.1f} s after start; consumer "
+                  f"{m['consumer_lag_end_s']:.2f} s behind at the end; unpack {m['unpack_ms']:.2f} ms", flush=True)
+        except Exception as exc:  # noqa: BLE001 - recorded in the table
+            measured.append((k, exc))
+
+    base_rates.append(plain_loop())
+    base_rate = statistics.mean(base_rates)
+    print(f"[2] plain loop again: {base_rates[1]:.1f} batches/s", flush=True)
+    rows = []
+    for k, m in measured:
+        figure = f"sampler actor batches/s (k={k})"
+        if isinstance(m, Exception):
+            rows.append(error_row(figure, target, m))
+            continue
+        per_actor, rate = m["per_actor_batches_per_s"], m["total_batches_per_s"]
+        ratio = per_actor / base_rate
+        rows.append(Row(figure, ours=f"{per_actor:.1f} b/s" + (f" ({rate:.1f} total)" if k > 1 else ""),
+                        baseline=f"{base_rate:.1f} b/s", ratio=f"{ratio:.2f}x", target=target,
+                        met=verdict(ratio >= 0.9), detail=dict(baseline_batches_per_s=base_rates, **m)))
+    return rows
+
+
+# --------------------------------------------------------------------------- figures 1 and 3: the job
+
+
+def recording_model(path: str, in_feats: int, num_classes: int, cfg):
+    """The job's default GraphSAGE; first writes the train worker's thread settings to ``path``."""
+    import dgl.utils
+    import torch
+
+    from gnnray.train_loop import default_model
+
+    with open(path, "w") as f:
+        json.dump(dict(torch_threads=torch.get_num_threads(), dgl_threads=dgl.utils.get_num_threads(),
+                       omp_num_threads=os.environ.get("OMP_NUM_THREADS")), f)
+    return default_model(in_feats, num_classes, cfg)
+
+
+def run_job(data: DataConfig, s: Settings, workdir: Path) -> tuple[list[dict], dict]:
+    """Train with ``gnnray.job.run``; return every epoch's metrics (``metrics.jsonl``) and the worker's threads."""
+    import functools
+
+    import torch
+
+    from gnnray import job
+    from gnnray.config import JobConfig
+
+    d = JobConfig()
+    cfg = dataclasses.replace(
+        d,
+        data=data,
+        sampler=dataclasses.replace(d.sampler, fanouts=tuple(s.fanouts), batch_size=s.batch_size,
+                                    actors_min=s.samplers, actors_max=s.samplers, cpus_per_actor=1.0),
+        model=dataclasses.replace(d.model, hidden=s.hidden, dropout=s.dropout),
+        train=dataclasses.replace(d.train, epochs=s.epochs, lr=s.lr, num_workers=s.workers,
+                                  cpus_per_worker=float(s.trainer_cpus), use_gpu=torch.cuda.is_available(),
+                                  seed=s.seed),
+        run=dataclasses.replace(d.run, name="bench", storage_path=str(workdir / "runs"), max_failures=0),
+    )
+    threads_file = workdir / "worker-threads.json"
+    job.run(cfg, model_factory=functools.partial(recording_model, str(threads_file)))
+    with open(workdir / "runs" / "bench" / job.METRICS_LOG) as f:
+        epochs = [json.loads(line) for line in f if line.strip()]
+    return epochs, json.loads(threads_file.read_text()) if threads_file.exists() else {}
+
+
+def dgl_baseline(graph: Graph, s: Settings) -> dict:
+    """The DGL tutorials' single-process loop at the same model, fanouts, batch size and cores.
+
+    ``DataLoader(g, train_ids, NeighborSampler(fanouts), batch_size, shuffle=True)``
+    samples in the training process (``num_workers=0``) with all cores'
+    threads; features are gathered with ``feat[input_nodes]``. Seeds/s are
+    counted after ``baseline_warmup`` steps, over ``baseline_steps`` steps
+    (more than one epoch if the split is small). Run before and after the
+    job and averaged, since the machine's load drifts.
+    """
+    import dgl
+    import torch
+    import torch.nn.functional as F
+
+    from gnnray.model import build_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with threads(s.cores):
+        g = dgl.graph(("csc", (torch.from_numpy(graph.indptr), torch.from_numpy(graph.indices),
+                               torch.empty(0, dtype=torch.int64))), num_nodes=graph.num_nodes)
+        feat, label = torch.from_numpy(graph.feat), torch.from_numpy(graph.label)
+        torch.manual_seed(s.seed)
+        model = build_model(graph.feat_dim, graph.num_classes, len(s.fanouts), s.hidden, s.dropout).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=s.lr)
+        loader = dgl.dataloading.DataLoader(g, torch.from_numpy(graph.train_idx),
+                                            dgl.dataloading.NeighborSampler(list(s.fanouts)),
+                                            batch_size=s.batch_size, shuffle=True, drop_last=False)
+        model.train()
+        step, seeds, start = 0, 0, time.perf_counter()
+        while step < s.baseline_warmup + s.baseline_steps:
+            for input_nodes, output_nodes, blocks in loader:
+                x, y = feat[input_nodes].to(device), label[output_nodes].to(device)
+                blocks = [b.to(device) for b in blocks]
+                loss = F.cross_entropy(model(blocks, x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                if step == s.baseline_warmup:
+                    start, seeds = time.perf_counter(), 0
+                elif step > s.baseline_warmup:
+                    seeds += int(output_nodes.shape[0])
+                if step == s.baseline_warmup + s.baseline_steps:
+                    break
+        elapsed = time.perf_counter() - start
+    return dict(seeds_per_s=seeds / elapsed, steps=s.baseline_steps, warmup=s.baseline_warmup,
+                step_s=elapsed / s.baseline_steps, threads=s.cores, device=str(device))
+
+
+def bench_training(data: DataConfig, graph: Graph, s: Settings, workdir: Path) -> list[Row]:
+    """Figures 1 and 3 from one training run of the job, between two runs of the DGL loop (averaged)."""
+    wait_fig, tput_fig = "data-wait fraction (steady epochs)", "training throughput seeds/s"
+    wait_target, tput_target = "< 5%", ">= 1.0x"
+    rows, baselines = [], []
+    try:
+        baselines.append(dgl_baseline(graph, s))
+        print(f"[3] DGL DataLoader loop: {baselines[0]['seeds_per_s']:.0f} seeds/s", flush=True)
+    except Exception as exc:  # noqa: BLE001 - tried again after the job
+        baselines.append(exc)
+    try:
+        epochs, worker_threads = run_job(data, s, workdir)
+        steady = [m for m in epochs if m["epoch"] >= 1] or epochs
+        wait = statistics.median(m["data_wait"] for m in steady)
+        ours = statistics.median(m["seeds_per_s"] for m in steady)
+        info = dict(epochs=epochs, steady_epochs=[m["epoch"] for m in steady], workers=s.workers,
+                    cpus_per_worker=s.trainer_cpus, sampler_actors=s.samplers, worker_threads=worker_threads)
+        rows.append(Row(wait_fig, ours=f"{100 * wait:.1f}%", baseline="-", ratio="-", target=wait_target,
+                        met=verdict(wait < 0.05), detail=dict(data_wait=wait, **info)))
+    except Exception as exc:  # noqa: BLE001 - recorded in the table
+        return [error_row(wait_fig, wait_target, exc), error_row(tput_fig, tput_target, exc)]
+    try:
+        baselines.append(dgl_baseline(graph, s))
+        print(f"[3] DGL DataLoader loop again: {baselines[-1]['seeds_per_s']:.0f} seeds/s", flush=True)
+        good = [b for b in baselines if not isinstance(b, Exception)]
+        base = statistics.mean(b["seeds_per_s"] for b in good)
+        ratio = ours / base
+        rows.append(Row(tput_fig, ours=f"{ours:.0f}", baseline=f"{base:.0f}", ratio=f"{ratio:.2f}x",
+                        target=tput_target, met=verdict(ratio >= 1.0),
+                        detail=dict(ours_seeds_per_s=ours, baseline_seeds_per_s=base, baselines=good, **info)))
+    except Exception as exc:  # noqa: BLE001
+        rows.append(error_row(tput_fig, tput_target, exc))
+    return rows
+
+
+# --------------------------------------------------------------------------- figure 4: memory
+
+
+class MemoryProbe:
+    """A process that uses the graph as a sampler actor or train worker does (a Ray actor).
+
+    Its imports and DGL's kernels are loaded in ``__init__`` (on a tiny graph),
+    so the difference between :meth:`usage` before and after :meth:`hold` is
+    what holding and using the big graph costs.
+    """
+
+    def __init__(self):
+        from gnnray.graph_store import csc_from_edges
+        from gnnray.sampling import Sampler
+
+        rng = np.random.default_rng(0)
+        indptr, indices = csc_from_edges(rng.integers(0, 50, 400), rng.integers(0, 50, 400), 50)
+        ids = np.arange(50)
+        tiny = Graph(indptr, indices, np.zeros((50, 4), np.float32), np.zeros(50, np.int64), ids, ids, ids, 2)
+        Sampler(tiny, (3, 3)).sample(ids[:8])
+        self._held = None
+
+    def usage(self) -> tuple[int, int]:
+        """(USS, PSS) in bytes, after handing freed heap back to the OS."""
+        import psutil
+
+        gc.collect()
+        malloc_trim()
+        info = psutil.Process().memory_full_info()
+        return int(info.uss), int(info.pss)
+
+    def hold(self, handle, copy: bool, fanouts: tuple, batch_size: int, batches: int, seed: int) -> float:
+        """Attach the graph (shared views, or private copies), sample and gather features.
+
+        Keeps the graph and the sampler (the DGL graph), as a sampler actor or
+        train worker does for its whole life; frees the last batch and its
+        feature buffer, whose size (MiB, returned) is the same however the
+        graph is held.
+        """
+        from gnnray.sampling import Sampler
+
+        graph = handle.get()
+        if copy:
+            graph = dataclasses.replace(graph, **{f.name: np.array(getattr(graph, f.name))
+                                                  for f in dataclasses.fields(graph)
+                                                  if isinstance(getattr(graph, f.name), np.ndarray)})
+        sampler = Sampler(graph, fanouts)
+        rng = np.random.default_rng(seed)
+        buf = np.empty((0, graph.feat_dim), np.float32)
+        for _ in range(batches):
+            mb = sampler.sample(rng.choice(graph.train_idx, min(batch_size, len(graph.train_idx)), replace=False))
+            rows = mb.input_nodes.shape[0]
+            if buf.shape[0] < rows:
+                buf = np.empty((int(rows * 1.25), graph.feat_dim), np.float32)
+            np.take(graph.feat, mb.input_nodes.numpy(), axis=0, out=buf[:rows])
+        self._held = (graph, sampler)
+        return rows * graph.feat_dim * 4 / 2**20
+
+    def drop(self) -> None:
+        self._held = None
+
+
+def bench_memory(graph: Graph, handle, s: Settings) -> list[Row]:
+    """Figure 4: private memory per added process, shared graph vs a copy per process.
+
+    Four probe actors start (imports done); for each variant their idle
+    USS/PSS is read, then 1, 2 and 4 of them :meth:`MemoryProbe.hold` the graph
+    and the growth of the summed USS (PSS) of the holding processes is read.
+    Per-process growth = growth at the most processes / their number (every
+    process counted as added), in MiB and as % of one copy of the graph. The
+    object store's one copy is not in any process's USS (it is shared memory);
+    PSS shows its share. Per-batch memory (the blocks and the gathered
+    features, ~40 MiB for one batch here, the same in both variants and in
+    the DGL loop) is freed before measuring: this figure is about copies of
+    the graph.
+    """
+    import ray
+
+    figure, target = "memory per added process (USS)", "< 5% of graph"
+    try:
+        probe_cls = ray.remote(num_cpus=1)(MemoryProbe)
+        probes = [probe_cls.remote() for _ in range(max(s.memory_processes))]
+        try:
+            results = {}
+            for variant, copy in (("shared", False), ("copy", True)):
+                idle = ray.get([p.usage.remote() for p in probes])
+                points, held, buffers = [], 0, []
+                for n in s.memory_processes:
+                    buffers += ray.get([p.hold.remote(handle, copy, s.fanouts, s.batch_size, s.memory_batches, s.seed + i)
+                             for i, p in enumerate(probes[held:n], start=held)])
+                    held = n
+                    now = ray.get([p.usage.remote() for p in probes[:n]])
+                    uss = sum(a[0] - b[0] for a, b in zip(now, idle)) / 2**20
+                    pss = sum(a[1] - b[1] for a, b in zip(now, idle)) / 2**20
+                    points.append(dict(processes=n, uss_growth_mib=uss, pss_growth_mib=pss))
+                    print(f"[4] {variant}: {n} processes: USS +{uss:.0f} MiB, PSS +{pss:.0f} MiB", flush=True)
+                ray.get([p.drop.remote() for p in probes])
+                last = points[-1]
+                results[variant] = dict(points=points, per_process_mib=last["uss_growth_mib"] / last["processes"],
+                                        batch_feature_buffer_mib=float(np.mean(buffers)))
+        finally:
+            for p in probes:
+                ray.kill(p)
+        graph_mib = graph.nbytes / 2**20
+        ours, base = results["shared"]["per_process_mib"], results["copy"]["per_process_mib"]
+        pct = 100 * ours / graph_mib
+        return [Row(figure, ours=f"{ours:.1f} MiB ({pct:.1f}%)",
+                    baseline=f"{base:.1f} MiB ({100 * base / graph_mib:.0f}%)",
+                    ratio=f"{ours / base:.2f}x" if base > 0 else "-", target=target, met=verdict(pct < 5),
+                    detail=dict(graph_mib=graph_mib, batches_sampled=s.memory_batches, **results))]
+    except Exception as exc:  # noqa: BLE001 - recorded in the table
+        return [error_row(figure, target, exc)]
+
+
+# --------------------------------------------------------------------------- figure 5: GPU prefetch
+
+
+def prefetch_overlap(device: str, batches: int = 20, input_nodes: int = 100_000, feat_dim: int = 128) -> dict:
+    """Per-batch times of the host side (gather + copy), of compute, and of both with and without the Prefetcher.
+
+    Synthetic packed mini-batches (100k input nodes, 128 features: ~50 MiB to
+    copy) and a compute step (matmuls on the batch's features) sized to take
+    about as long as the copy, so full overlap would halve the serial time.
+    """
+    import torch
+
+    from gnnray.batch import Layer, MiniBatch
+    from gnnray.prefetch import Prefetcher
+
+    dev = torch.device(device)
+    rng = np.random.default_rng(0)
+    num_nodes = 2 * input_nodes
+    feat = rng.standard_normal((num_nodes, feat_dim), dtype=np.float32)
+    packed = []
+    for _ in range(batches):
+        nodes = torch.from_numpy(rng.integers(0, num_nodes, input_nodes))
+        seeds = nodes[:1024]
+        layer = Layer(torch.arange(0, 10 * 1025, 10), torch.from_numpy(rng.integers(0, input_nodes, 10 * 1024)),
+                      input_nodes)
+        packed.append(MiniBatch(seeds, torch.zeros(1024, dtype=torch.int64), nodes, [layer]).pack())
+    w = torch.randn(feat_dim, feat_dim, device=dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def compute(mb, reps):
+        h = mb.x
+        for _ in range(reps):
+            h = torch.tanh(h @ w)
+        return h
+
+    def per_batch(fn) -> float:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t) / batches
+
+    def host_only():
+        with Prefetcher(packed, feat, dev, depth=2) as it:
+            for _ in it:
+                sync()
+
+    copy_s = per_batch(host_only)
+    with Prefetcher(packed[:1], feat, dev, depth=1) as it:
+        resident = next(it)
+        resident = dataclasses.replace(resident, x=resident.x.clone())
+    one = per_batch(lambda: [compute(resident, 1) for _ in range(batches)])
+    reps = max(1, round(copy_s / max(one, 1e-6)))
+    compute_s = per_batch(lambda: [compute(resident, reps) for _ in range(batches)])
+
+    def serial():
+        buf = np.empty((input_nodes, feat_dim), np.float32)
+        for p in packed:
+            mb = MiniBatch.unpack(torch.from_numpy(p.copy()))
+            np.take(feat, mb.input_nodes.numpy(), axis=0, out=buf)
+            mb.x = torch.from_numpy(buf)
+            compute(mb.to(dev), reps)
+            sync()
+
+    def overlapped():
+        with Prefetcher(packed, feat, dev, depth=2) as it:
+            for mb in it:
+                compute(mb, reps)
+
+    return dict(device=str(dev), copy_s=copy_s, compute_s=compute_s, reps=reps, serial_s=per_batch(serial),
+                prefetch_s=per_batch(overlapped))
+
+
+def bench_gpu(s: Settings) -> list[Row]:
+    """Figure 5: the Prefetcher's copy/compute overlap on a GPU; n/a without one."""
+    import torch
+
+    figure, target = "GPU prefetch s/batch (overlap)", "<= 1.1 x max(copy, compute)"
+    if not torch.cuda.is_available():
+        return [Row(figure, ours="n/a (no GPU)", baseline="n/a", ratio="-", target=target, met="n/a")]
+    try:
+        r = prefetch_overlap("cuda", batches=10 if s.quick else 30)
+        bound = max(r["copy_s"], r["compute_s"])
+        return [Row(figure, ours=f"{1000 * r['prefetch_s']:.1f} ms", baseline=f"{1000 * r['serial_s']:.1f} ms serial",
+                    ratio=f"{r['serial_s'] / r['prefetch_s']:.2f}x faster", target=target,
+                    met=verdict(r["prefetch_s"] <= 1.1 * bound), detail=r)]
+    except Exception as exc:  # noqa: BLE001
+        return [error_row(figure, target, exc)]
+
+
+# --------------------------------------------------------------------------- table and main
+
+
+COLUMNS = ("figure", "ours", "baseline", "ratio", "target", "met")
+
+
+def format_table(rows: list[Row]) -> str:
+    cells = [COLUMNS] + [tuple(getattr(r, c) for c in COLUMNS) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(c, widths)) + " |" for c in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    import dgl
+    import psutil
+    import ray
+    import torch
+
+    return dict(cpus=os.cpu_count(), memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
+                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                load_avg=os.getloadavg(), python=platform.python_version(), torch=torch.__version__,
+                dgl=dgl.__version__, ray=ray.__version__)
+
+
+def settings_for(args) -> Settings:
+    cores = args.cores or os.cpu_count() or 1
+    s = Settings(quick=args.quick, cores=cores, workers=args.workers)
+    if args.quick:
+        s = dataclasses.replace(s, sampler_batches=80, sampler_warmup=5, epochs=3, baseline_warmup=2,
+                                baseline_steps=18, memory_batches=2)
+    return s
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer batches and epochs, short epochs (~3 minutes)")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write all results")
+    p.add_argument("--dataset", default=None,
+                   help=f"graph directory, or 'synthetic' (default: {DEFAULT_DATASET}, else synthetic)")
+    p.add_argument("--cores", type=int, default=None, help="physical cores both sides get (default: all)")
+    p.add_argument("--workers", type=int, default=1, help="Ray Train workers for figures 1 and 3")
+    p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
+    return p.parse_args(argv)
+
+
+def guarded(figure: str, fn: Callable[[], list]) -> list[Row]:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a failing stage must not hide the others
+        return [error_row(figure, "", exc)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    s = settings_for(args)
+    started = time.perf_counter()
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    workdir = Path(tempfile.mkdtemp(prefix="gnnray-bench-"))
+    rows: list[Row] = []
+    result = dict(date=date, mode="quick" if s.quick else "full", machine=machine(), settings=dataclasses.asdict(s))
+    try:
+        import ray
+
+        from gnnray.datasets import load_graph
+        from gnnray.graph_store import publish
+
+        data = base_data_config(args.dataset)
+        graph = load_graph(data)
+        full_train_idx = graph.train_idx
+        if s.quick:
+            data = quick_data_config(graph, s, workdir, data)
+            graph = load_graph(data)
+        result["data"] = dict(config=dataclasses.asdict(data), nodes=graph.num_nodes, edges=graph.num_edges,
+                              train=len(graph.train_idx), graph_mib=graph.nbytes / 2**20)
+        print(f"graph {graph.name}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, "
+              f"{len(graph.train_idx):,} training nodes, {graph.nbytes / 2**20:.0f} MiB; "
+              f"{s.cores} cores, {'quick' if s.quick else 'full'} mode", flush=True)
+        start_ray(s, args.verbose)
+        try:
+            handle = publish(graph)
+            rows += guarded("sampler actor batches/s",
+                            lambda: bench_sampler_overhead(graph, handle, full_train_idx, s))
+            rows += guarded("training", lambda: bench_training(data, graph, s, workdir))
+            rows += guarded("memory per added process", lambda: bench_memory(graph, handle, s))
+            rows += guarded("GPU prefetch", lambda: bench_gpu(s))
+        finally:
+            ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 - still print and save what we have
+        rows.append(error_row("setup", "", exc))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    order = ["data-wait", "sampler", "training", "memory", "GPU", "setup", ""]  # the issue's order; sort is stable
+    rows.sort(key=lambda r: next(i for i, key in enumerate(order) if r.figure.startswith(key)))
+    wall = time.perf_counter() - started
+    result.update(rows=[dataclasses.asdict(r) for r in rows], wall_s=wall, load_avg_end=os.getloadavg())
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\n{result['mode']} mode, {date}, {s.cores} cores, load average {os.getloadavg()[0]:.1f}, "
+          f"{wall:.0f} s; all numbers in {out}\n")
+    print(format_table(rows), flush=True)
+    return 1 if any(r.met == "error" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""gnnray: GNN training on Ray, the graph held once per node.
+
+One mini-batch meets the stages in this order (one module each):
+
+==================  =====================  ===================================================
+module              runs on                output
+==================  =====================  ===================================================
+``config``          driver                 frozen ``JobConfig`` from the command line
+``datasets``        driver                 validated numpy ``Graph`` (in-edge CSC, features)
+``graph_store``     driver                 ``GraphHandle``: the graph once in the object store
+``seeds``           Ray Data tasks         rows of (epoch, padded seed ids), all epochs
+``sampling``        sampler actors         rows of packed ``MiniBatch`` (``batch``)
+``prefetch``        train worker thread    ``MiniBatch`` with features, on the device
+``model``           train worker           logits
+``train_loop``      train worker           loss, metrics and checkpoints via ``ray.train``
+==================  =====================  ===================================================
+
+``job`` is the driver that wires them; ``checkpoint`` reads and writes
+checkpoints; ``errors`` holds the user-facing exceptions.
+"""

@@ -1,0 +1,94 @@
+"""Checkpoints: written by rank 0 each epoch, chosen by the driver on resume.
+
+A checkpoint directory holds ``state.pt`` (model, optimizer, epoch, best
+validation accuracy) and ``meta.json`` (epoch, metrics and ``state.pt``'s size).
+``meta.json`` is written last, each file through a temporary name and an atomic
+rename, so a crash mid-write leaves a directory without a valid ``meta.json``:
+:func:`latest_valid` skips it and resume falls back to the previous one.
+
+The driver, not the worker, chooses the checkpoint because the seed stream it
+builds must start at the epoch after the one the model resumes from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint found in storage.
+
+    Attributes:
+        path: Its directory.
+        epoch: The last completed epoch it holds.
+        metrics: The metrics reported with it.
+    """
+
+    path: str
+    epoch: int
+    metrics: dict
+
+
+def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, metrics: dict[str, Any]) -> None:
+    """Write a checkpoint of the epoch ``metrics["epoch"]`` into ``directory`` (crash-safe, see the module docstring)."""
+    epoch = int(metrics["epoch"])
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+             "best_val_acc": float(metrics["best_val_acc"])}
+    _atomic_write(os.path.join(directory, STATE_FILE), lambda f: torch.save(state, f))
+    size = os.path.getsize(os.path.join(directory, STATE_FILE))
+    meta = {"epoch": epoch, "state_bytes": size, "metrics": metrics}
+    _atomic_write(os.path.join(directory, META_FILE), lambda f: f.write(json.dumps(meta).encode()))
+
+
+def load_state(directory: str) -> dict:
+    """Return the state saved in ``directory``: ``model``, ``optimizer``, ``epoch``, ``best_val_acc``."""
+    return torch.load(os.path.join(directory, STATE_FILE), map_location="cpu")
+
+
+def read_info(directory: str) -> Optional[CheckpointInfo]:
+    """Return the checkpoint in ``directory``, or ``None`` if it is missing or incomplete."""
+    try:
+        with open(os.path.join(directory, META_FILE)) as f:
+            meta = json.load(f)
+        complete = os.path.getsize(os.path.join(directory, STATE_FILE)) == meta["state_bytes"]
+        return CheckpointInfo(directory, int(meta["epoch"]), dict(meta["metrics"])) if complete else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_valid(run_dir: str) -> tuple[Optional[CheckpointInfo], list[str]]:
+    """Find the newest valid checkpoint of a run.
+
+    Returns:
+        The checkpoint with the highest epoch (``None`` if none is valid) and
+        the checkpoint directories that were skipped as incomplete or corrupt.
+    """
+    if not os.path.isdir(run_dir):
+        return None, []
+    found, bad = [], []
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if not (name.startswith("checkpoint_") and os.path.isdir(path)):
+            continue
+        info = read_info(path)
+        (found.append(info) if info else bad.append(path))
+    best = max(found, key=lambda c: c.epoch, default=None)
+    return best, bad
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

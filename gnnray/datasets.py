@@ -1,0 +1,528 @@
+"""Stage 1a (driver): datasets become validated numpy graphs.
+
+Input: a :class:`~gnnray.config.DataConfig`. Output: a
+:class:`~gnnray.graph_store.Graph` (in-edge CSC, float32 features, int64 labels
+and splits) that has passed :func:`validate`, ready for
+:func:`gnnray.graph_store.publish`.
+
+``DataConfig.dataset`` picks the source:
+
+* ``synthetic``: :func:`make_synthetic`, a learnable graph built in memory.
+* ``ogbn-arxiv`` (or ``ogbn-products``): read by the ``ogb`` package from
+  ``DATA_DIR/ogbn_arxiv``; downloaded only when that holds no OGB files.
+* anything else: the path of a graph directory::
+
+      DIR/edges.parquet  src, dst: int64; one row per edge src -> dst
+      DIR/nodes.parquet  id: int64 (any order), label: int64 (-1: none),
+                         split: string (train, valid, test or none),
+                         feat: fixed-size list of float32 (optional)
+      DIR/meta.json      {"num_nodes": N, "num_classes": C, "name": ..., "feat_dim": D}
+
+Every problem with the data raises :class:`~gnnray.errors.DatasetError` that
+names the file (and column) and what to do.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from gnnray.config import DataConfig
+from gnnray.errors import DatasetError
+from gnnray.graph_store import Graph, csc_from_edges
+
+log = logging.getLogger(__name__)
+
+_SPLITS = ("train", "valid", "test")
+# Homogeneous single-label OGB datasets, and whether reverse edges are added by
+# default: arxiv is a directed citation graph, ogb stores products both ways.
+_OGB_REVERSE_DEFAULT = {"ogbn-arxiv": True, "ogbn-products": False}
+_GRAPH_DIR_HELP = ("a graph directory needs edges.parquet (int64 columns src, dst), nodes.parquet "
+                   "(int64 id, int64 label, string split, optional feat: fixed-size list of float32) "
+                   "and meta.json (num_nodes, num_classes)")
+
+
+@dataclass
+class _Parts:
+    """A graph as read: an edge list, before edges are added and the CSC is built."""
+
+    name: str
+    num_nodes: int
+    num_classes: int
+    src: np.ndarray
+    dst: np.ndarray
+    feat: Optional[np.ndarray]  # None: the source has no features
+    label: np.ndarray
+    splits: dict
+    no_feat: str = ""  # where features were looked for, for the error message
+
+
+def load_graph(cfg: DataConfig) -> Graph:
+    """Read, prepare and validate the graph that ``cfg.dataset`` names.
+
+    Args:
+        cfg: ``dataset`` picks the source (see the module docstring);
+            ``add_reverse_edges`` (``None``: on for ogbn-arxiv, off otherwise),
+            ``add_self_loops``, ``random_features`` (if > 0, replaces the
+            features by seeded standard normal ones) and ``normalize_features``
+            (rows scaled to sum 1) are applied.
+
+    Returns:
+        The validated graph.
+
+    Raises:
+        DatasetError: The dataset is unknown, missing, unreadable or inconsistent.
+    """
+    if cfg.dataset == "synthetic":
+        source, reverse_default = "synthetic", False
+        parts = _synthetic_parts(cfg.synthetic_nodes, cfg.synthetic_classes, cfg.synthetic_feat_dim,
+                                 cfg.synthetic_avg_degree, cfg.seed)
+    elif cfg.dataset in _OGB_REVERSE_DEFAULT:
+        source, reverse_default = cfg.dataset, _OGB_REVERSE_DEFAULT[cfg.dataset]
+        parts = _read_ogb(cfg.dataset, cfg.data_dir)
+    else:
+        path = Path(cfg.dataset).expanduser()
+        if not path.is_dir():
+            raise DatasetError(
+                f"unknown dataset {cfg.dataset!r}: no graph directory {path} exists. Use --dataset "
+                f"synthetic, {', '.join(_OGB_REVERSE_DEFAULT)}, or the path of a graph directory "
+                f"({_GRAPH_DIR_HELP})")
+        source, reverse_default = str(path), False
+        parts = _read_graph_dir(path)
+
+    parts.feat = _features(parts, cfg, source)
+    if cfg.normalize_features:
+        # Row L1 normalisation, as PyG's NormalizeFeatures and the GCN paper's
+        # preprocessing of bag-of-words graphs (cora, citeseer, pubmed).
+        sums = np.abs(parts.feat).sum(axis=1, keepdims=True)
+        parts.feat = (parts.feat / np.maximum(sums, 1e-12)).astype(np.float32)
+    reverse = reverse_default if cfg.add_reverse_edges is None else cfg.add_reverse_edges
+    parts.src, parts.dst = _transform_edges(parts.src, parts.dst, parts.num_nodes, reverse, cfg.add_self_loops)
+    graph = _build(parts)
+    validate(graph, source)
+    return graph
+
+
+def validate(graph: Graph, source: str) -> None:
+    """Check that ``graph`` is consistent; every later stage relies on it.
+
+    Args:
+        graph: The graph to check.
+        source: File path or dataset name, named in the error.
+
+    Raises:
+        DatasetError: The first problem found (dtypes, CSC structure, features,
+            labels or splits).
+    """
+    def fail(problem: str) -> None:
+        raise DatasetError(f"{source}: {problem}")
+
+    for name in ("indptr", "indices", "label", "train_idx", "valid_idx", "test_idx"):
+        a = getattr(graph, name)
+        if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1:
+            fail(f"{name} must be a 1-D int64 array, got {_describe(a)}")
+    if not isinstance(graph.feat, np.ndarray) or graph.feat.dtype != np.float32 or graph.feat.ndim != 2:
+        fail(f"feat must be a 2-D float32 array (num_nodes, feat_dim), got {_describe(graph.feat)}")
+
+    indptr, indices, feat, n = graph.indptr, graph.indices, graph.feat, graph.num_nodes
+    if indptr.size == 0:
+        fail("indptr is empty; it needs num_nodes + 1 entries")
+    for name, rows in (("feat", feat.shape[0]), ("label", graph.label.shape[0])):
+        if rows != n:
+            fail(f"{name} has {rows} rows but indptr has {indptr.size} entries ({n} nodes); "
+                 f"indptr needs num_nodes + 1 entries, {name} one row per node")
+    if indptr[0] != 0:
+        fail(f"indptr must start at 0, starts at {indptr[0]}")
+    if np.any(indptr[1:] < indptr[:-1]):
+        fail("indptr must be non-decreasing (it holds the cumulative in-degrees)")
+    if indptr[-1] != indices.size:
+        fail(f"indptr ends at {indptr[-1]} but there are {indices.size} indices (edges)")
+    if indices.size and (indices.min() < 0 or indices.max() >= n):
+        bad = np.count_nonzero((indices < 0) | (indices >= n))
+        fail(f"{bad} edge source ids (indices) are outside [0, num_nodes={n})")
+
+    # A row sum in float64 is non-finite exactly when the row holds a NaN or inf,
+    # without a (num_nodes, feat_dim) temporary.
+    bad_rows = np.count_nonzero(~np.isfinite(feat.sum(axis=1, dtype=np.float64)))
+    if bad_rows:
+        fail(f"{bad_rows} feature rows contain NaN or infinite values; clean or impute them")
+
+    if graph.num_classes < 2:
+        fail(f"num_classes is {graph.num_classes}; node classification needs at least 2")
+
+    in_split = np.zeros(n, dtype=bool)
+    for name in _SPLITS:
+        idx = graph.split(name)
+        if idx.size == 0:
+            fail(f"the {name} split is empty; every split (train, valid, test) needs at least one node")
+        if idx.min() < 0 or idx.max() >= n:
+            fail(f"the {name} split has node ids outside [0, num_nodes={n})")
+        ordered = np.sort(idx)
+        dup = ordered[1:][ordered[1:] == ordered[:-1]]
+        if dup.size:
+            fail(f"the {name} split lists {dup.size} node ids more than once, e.g. {dup[:3].tolist()}")
+        if np.any(in_split[idx]):
+            fail(f"the {name} split shares nodes with another split; each node belongs to one split at most")
+        in_split[idx] = True
+        lab = graph.label[idx]
+        missing = np.count_nonzero(lab == -1)
+        if missing:
+            fail(f"{missing} nodes of the {name} split have no label (-1); label them or move them to split 'none'")
+        if np.any(lab < 0) or np.any(lab >= graph.num_classes):
+            fail(f"labels of the {name} split must be in [0, num_classes={graph.num_classes}), "
+                 f"found {lab.min()}..{lab.max()}")
+
+
+def make_synthetic(num_nodes: int, num_classes: int, feat_dim: int, avg_degree: int, seed: int) -> Graph:
+    """Build a learnable undirected graph, the same for the same arguments.
+
+    Features are a class centroid plus noise, so features alone classify
+    poorly; about 80% of a node's neighbors share its class, so averaging over
+    neighbors helps a lot. Degrees are skewed: one end of every edge is drawn
+    with Zipf-like popularity.
+
+    Args:
+        num_nodes: Number of nodes.
+        num_classes: Number of classes.
+        feat_dim: Feature dimension.
+        avg_degree: Average in-degree (slightly less after duplicates are removed).
+        seed: Random seed.
+
+    Returns:
+        The graph, with a random 60/20/20 train/valid/test split.
+    """
+    return _build(_synthetic_parts(num_nodes, num_classes, feat_dim, avg_degree, seed))
+
+
+def _synthetic_parts(n: int, c: int, d: int, avg_degree: int, seed: int,
+                     homophily: float = 0.8, zipf: float = 0.8) -> _Parts:
+    rng = np.random.default_rng(seed)
+    label = rng.integers(0, c, size=n, dtype=np.int64)
+    # Centroids of norm 1.5 in unit noise: roughly half the nodes are classified
+    # right from their own features, most from the mean over their neighbors.
+    centroids = rng.standard_normal((c, d), dtype=np.float32) * np.float32(1.5 / np.sqrt(d))
+    feat = centroids[label] + rng.standard_normal((n, d), dtype=np.float32)
+
+    # Each undirected edge joins a node (in turn) to a popular one, drawn from the
+    # first node's class with probability `homophily`: inverse-CDF sampling
+    # over the nodes sorted by class, popularity as cumulative weight.
+    m = n * avg_degree // 2
+    a = np.arange(m) % n  # every node gets its share of edges: none is isolated
+    weight = (rng.permutation(n) + 1.0) ** -zipf
+    order = np.argsort(label, kind="stable")
+    cum = np.cumsum(weight[order])
+    start = np.searchsorted(label[order], np.arange(c + 1))
+    cum_before = np.concatenate([[0.0], cum])[start]
+    cls = np.where(rng.random(m) < homophily, label[a], rng.integers(0, c, size=m))
+    u = cum_before[cls] + rng.random(m) * (cum_before[cls + 1] - cum_before[cls])
+    b = order[np.minimum(np.searchsorted(cum, u, side="right"), start[cls + 1] - 1)]
+    keep = a != b
+    src, dst = _transform_edges(a[keep], b[keep], n, reverse=True, self_loops=False)
+
+    perm = rng.permutation(n)
+    n_train, n_valid = int(0.6 * n), int(0.2 * n)
+    splits = {"train": np.sort(perm[:n_train]), "valid": np.sort(perm[n_train:n_train + n_valid]),
+              "test": np.sort(perm[n_train + n_valid:])}
+    return _Parts(f"synthetic-{n}", n, c, src, dst, feat, label, splits)
+
+
+def _read_ogb(name: str, data_dir: str) -> _Parts:
+    """Read an OGB node-property dataset with the ``ogb`` package."""
+    local = Path(data_dir).expanduser() / name.replace("-", "_")
+    # Without these ogb downloads the dataset (and replaces the directory).
+    has_files = (local / "raw" / "edge.csv.gz").is_file() or (local / "processed" / "data_processed").is_file()
+    fix = (f"Place the OGB files of {name} in {local} (raw/*.csv.gz and split/), pass --data-dir for the "
+           f"directory that holds {local.name}/, or use --dataset synthetic or a graph directory")
+    try:
+        NodePropPredDataset = _import_ogb()
+    except ImportError as exc:
+        raise DatasetError(f"{name}: the ogb package is needed to read it ({exc}); pip install ogb") from exc
+    if has_files:
+        # ogb saves a processed copy there and fails if the folder is missing.
+        with contextlib.suppress(OSError):
+            (local / "processed").mkdir(exist_ok=True)
+    asked: list[str] = []
+    try:
+        with _ogb_noninteractive(asked):
+            dataset = NodePropPredDataset(name=name, root=str(local.parent))
+            split = dataset.get_idx_split()
+            graph, labels = dataset[0]
+    except (Exception, SystemExit) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        if asked:
+            reason += f" (ogb asked {asked[-1]!r} and was answered no)"
+        if has_files:
+            raise DatasetError(f"{name}: cannot read the OGB files in {local}: {reason}. Repair them, or delete "
+                               f"{local} to download again. {fix}") from exc
+        raise DatasetError(f"{name}: not found in {local} and the download failed: {reason}. {fix}") from exc
+
+    n = int(graph["num_nodes"])
+    edge_index = np.asarray(graph["edge_index"], dtype=np.int64)
+    label = np.asarray(labels).reshape(n, -1)
+    if label.shape[1] != 1:
+        raise DatasetError(f"{name}: has {label.shape[1]} labels per node; only single-label datasets are supported")
+    label = label[:, 0]
+    if np.issubdtype(label.dtype, np.floating):  # unlabelled nodes are NaN in some OGB datasets
+        label = np.where(np.isnan(label), -1, label)
+    for column, ids in (("source", edge_index[0]), ("destination", edge_index[1])):
+        _check_ids(ids, n, f"{local / 'raw' / 'edge.csv.gz'}: {column} ids")
+    feat = graph.get("node_feat")
+    return _Parts(
+        name=name, num_nodes=n, num_classes=int(dataset.num_classes),
+        src=edge_index[0], dst=edge_index[1],
+        feat=None if feat is None else np.ascontiguousarray(feat, dtype=np.float32),
+        label=label.astype(np.int64),
+        splits={k: np.asarray(split[k], dtype=np.int64).reshape(-1) for k in _SPLITS},
+        no_feat=f"{local / 'raw' / 'node-feat.csv.gz'} is missing",
+    )
+
+
+def _import_ogb():
+    """Import ogb's dataset class without its check for a newer ogb release.
+
+    Importing ogb (and its ``outdated`` dependency) starts threads that ask PyPI
+    for the latest version, retried and without a timeout; on a cluster without
+    internet they only delay the driver's exit. Hiding ``outdated`` during the
+    import makes ogb skip the check.
+    """
+    hide = "outdated" not in sys.modules
+    if hide:
+        sys.modules["outdated"] = None  # makes `import outdated` raise ImportError
+    try:
+        from ogb.nodeproppred import NodePropPredDataset
+    finally:
+        if hide and sys.modules.get("outdated", 0) is None:
+            del sys.modules["outdated"]
+    return NodePropPredDataset
+
+
+@contextlib.contextmanager
+def _ogb_noninteractive(asked: list):
+    """Let ogb run unattended.
+
+    ogb calls ``input()`` when a local copy lacks its ``RELEASE_v*.txt``
+    ("update now?": yes would delete it) and before downloads over 1 GB; both are
+    answered no, so local files are kept and a large download stops with
+    ``SystemExit``. ``torch.load`` of ogb's own processed files gets
+    ``weights_only=False`` (the default changed in torch 2.6).
+    """
+    import torch
+
+    saved_input, saved_load = builtins.input, torch.load
+
+    def answer_no(prompt: str = "") -> str:
+        asked.append(str(prompt).strip())
+        log.warning("ogb asked %r; answering no", asked[-1])
+        return "n"
+
+    builtins.input = answer_no
+    torch.load = functools.partial(saved_load, weights_only=False)
+    try:
+        yield
+    finally:
+        builtins.input, torch.load = saved_input, saved_load
+
+
+def _read_graph_dir(path: Path) -> _Parts:
+    """Read a graph directory (see the module docstring)."""
+    missing = [f for f in ("edges.parquet", "nodes.parquet", "meta.json") if not (path / f).is_file()]
+    if missing:
+        raise DatasetError(f"{path}: missing {', '.join(missing)}; {_GRAPH_DIR_HELP}")
+    meta = _read_meta(path / "meta.json")
+    n = meta["num_nodes"]
+
+    edges_file, nodes_file = path / "edges.parquet", path / "nodes.parquet"
+    edges = _read_parquet(edges_file, {"src": _INT, "dst": _INT})
+    src, dst = (_int_column(edges, c) for c in ("src", "dst"))
+    for column, ids in (("src", src), ("dst", dst)):
+        _check_ids(ids, n, f"{edges_file}: column {column!r}")
+    if "num_edges" in meta and meta["num_edges"] != src.size:
+        raise DatasetError(f"{edges_file}: {src.size} rows but {path / 'meta.json'} says num_edges is "
+                           f"{meta['num_edges']}; fix one of them")
+
+    nodes = _read_parquet(nodes_file, {"id": _INT, "label": _INT, "split": _STR, "feat": _FEAT}, optional=("feat",))
+    ids = _int_column(nodes, "id")
+    if ids.size != n:
+        raise DatasetError(f"{nodes_file}: column 'id' has {ids.size} rows but meta.json num_nodes is {n}; "
+                           f"nodes.parquet needs exactly one row per node")
+    _check_ids(ids, n, f"{nodes_file}: column 'id'")
+    seen = np.zeros(n, dtype=bool)
+    seen[ids] = True
+    if not seen.all():  # n rows, all in range: some id repeats
+        values, counts = np.unique(ids, return_counts=True)
+        raise DatasetError(f"{nodes_file}: column 'id' repeats ids, e.g. {values[counts > 1][:3].tolist()}; "
+                           f"each node needs exactly one row")
+    # Rows may come in any order: row_of[v] is the row of node v.
+    row_of = None
+    if not np.array_equal(ids, np.arange(n)):
+        row_of = np.empty(n, dtype=np.int64)
+        row_of[ids] = np.arange(n)
+
+    split = nodes.column("split")
+    if pa.types.is_dictionary(split.type):
+        split = split.cast(pa.string())
+    unknown = pc.invert(pc.is_in(split, value_set=pa.array(_SPLITS + ("none",))))
+    if pc.any(unknown).as_py():
+        bad = pc.unique(pc.filter(split, unknown)).to_pylist()[:5]
+        raise DatasetError(f"{nodes_file}: column 'split' has unknown values {bad}; "
+                           f"use train, valid, test or none")
+    splits = {k: np.sort(ids[pc.equal(split, k).to_numpy(zero_copy_only=False)]) for k in _SPLITS}
+
+    label = _int_column(nodes, "label")
+    feat = _feat_column(nodes, nodes_file) if "feat" in nodes.column_names else None
+    if row_of is not None:
+        label = label[row_of]
+        feat = None if feat is None else feat[row_of]
+    feat_dim = 0 if feat is None else feat.shape[1]
+    if meta.get("feat_dim", feat_dim) != feat_dim:
+        raise DatasetError(f"{nodes_file}: column 'feat' has dimension {feat_dim} but meta.json says feat_dim "
+                           f"is {meta['feat_dim']}; fix one of them")
+    return _Parts(
+        name=str(meta.get("name", path.name)), num_nodes=n, num_classes=meta["num_classes"],
+        src=src, dst=dst, feat=feat, label=label, splits=splits,
+        no_feat=f"{nodes_file} has no column 'feat'",
+    )
+
+
+def _read_meta(file: Path) -> dict:
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DatasetError(f"{file}: not valid JSON ({exc}); it must be an object such as "
+                           f'{{"num_nodes": 2708, "num_classes": 7, "name": "cora"}}') from exc
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{file}: must hold a JSON object with num_nodes and num_classes")
+    missing = [k for k in ("num_nodes", "num_classes") if k not in meta]
+    if missing:
+        raise DatasetError(f"{file}: missing key(s) {', '.join(missing)}; meta.json needs num_nodes and "
+                           f"num_classes (name and feat_dim are optional)")
+    for key in ("num_nodes", "num_classes"):
+        if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 1:
+            raise DatasetError(f"{file}: {key} must be a positive integer, got {meta[key]!r}")
+    return meta
+
+
+def _is_str(t: pa.DataType) -> bool:
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_feat(t: pa.DataType) -> bool:
+    lists = pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)
+    return lists and pa.types.is_floating(t.value_type)
+
+
+# Column checks: (accepts the Arrow type, what is expected). Narrower integer
+# and float types are accepted and widened.
+_INT = (pa.types.is_integer, "an integer column (int64)")
+_STR = (_is_str, "a string column (train, valid, test or none)")
+_FEAT = (_is_feat, "a fixed-size list of float32 (one feature vector per node)")
+
+
+def _read_parquet(file: Path, columns: dict, optional: tuple = ()) -> pa.Table:
+    """Read ``columns`` of a Parquet file after checking their types in its schema."""
+    try:
+        schema = pq.read_schema(file)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{file}: cannot read it as Parquet ({exc}); rewrite it with "
+                           f"pyarrow.parquet.write_table") from exc
+    for column, (accepts, expected) in columns.items():
+        if column not in schema.names:
+            if column in optional:
+                continue
+            raise DatasetError(f"{file}: no column {column!r} (it has {schema.names}); expected {expected}")
+        if not accepts(schema.field(column).type):
+            raise DatasetError(f"{file}: column {column!r} has type {schema.field(column).type}, expected {expected}")
+    present = [c for c in columns if c in schema.names]
+    try:
+        table = pq.read_table(file, columns=present)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"{file}: cannot read it as Parquet, it may be truncated or corrupt ({exc}); "
+                           f"rewrite it with pyarrow.parquet.write_table") from exc
+    for column in present:
+        nulls = table.column(column).null_count
+        if nulls:
+            raise DatasetError(f"{file}: column {column!r} has {nulls} null values; fill them "
+                               f"(label -1 and split 'none' mark unlabelled nodes)")
+    return table
+
+
+def _int_column(table, column: str) -> np.ndarray:
+    return table.column(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+def _feat_column(table, file: Path) -> np.ndarray:
+    col = table.column("feat").combine_chunks()
+    if pa.types.is_fixed_size_list(col.type):
+        dim = col.type.list_size
+    else:
+        lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        dim = int(lengths[0]) if lengths.size else 0
+        if np.any(lengths != dim):
+            raise DatasetError(f"{file}: column 'feat' has rows of different lengths "
+                               f"({lengths.min()}..{lengths.max()}); every feature vector needs the same size")
+    if dim < 1:
+        raise DatasetError(f"{file}: column 'feat' has empty feature vectors; drop the column instead")
+    values = col.flatten().to_numpy(zero_copy_only=False)
+    return values.astype(np.float32, copy=False).reshape(-1, dim)
+
+
+def _check_ids(ids: np.ndarray, n: int, what: str) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= n):
+        bad = ids[(ids < 0) | (ids >= n)]
+        raise DatasetError(f"{what}: {bad.size} node ids are outside [0, num_nodes={n}), e.g. {bad[:3].tolist()}; "
+                           f"node ids must be 0..num_nodes-1")
+
+
+def _features(parts: _Parts, cfg: DataConfig, source: str) -> np.ndarray:
+    if cfg.random_features > 0:
+        if parts.feat is not None:
+            log.warning("%s: replacing its %d-dim features by random ones (--random-features %d)",
+                        source, parts.feat.shape[1], cfg.random_features)
+        rng = np.random.default_rng(cfg.seed)
+        return rng.standard_normal((parts.num_nodes, cfg.random_features), dtype=np.float32)
+    if parts.feat is None:
+        raise DatasetError(f"{source}: the graph has no node features ({parts.no_feat}). Add them, or pass "
+                           f"--random-features DIM to use random features (for load tests: they carry no signal)")
+    return parts.feat
+
+
+def _transform_edges(src: np.ndarray, dst: np.ndarray, n: int, reverse: bool,
+                     self_loops: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Add reverse edges (dropping duplicate edges) and/or missing self loops."""
+    src, dst = src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False)
+    if reverse:
+        # Unique (dst, src) keys drop duplicates and leave the edges sorted by dst.
+        key = np.unique(np.concatenate([dst * n + src, src * n + dst]))
+        dst, src = np.divmod(key, n)
+    if self_loops:
+        has_loop = np.zeros(n, dtype=bool)
+        has_loop[src[src == dst]] = True
+        loops = np.flatnonzero(~has_loop)
+        src, dst = np.concatenate([src, loops]), np.concatenate([dst, loops])
+    return src, dst
+
+
+def _build(parts: _Parts) -> Graph:
+    indptr, indices = csc_from_edges(parts.src, parts.dst, parts.num_nodes)
+    return Graph(indptr=indptr, indices=indices, feat=parts.feat, label=parts.label,
+                 train_idx=parts.splits["train"], valid_idx=parts.splits["valid"], test_idx=parts.splits["test"],
+                 num_classes=parts.num_classes, name=parts.name)
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype} array of shape {a.shape}"
+    return type(a).__name__

@@ -1,0 +1,154 @@
+"""Stage 1b: the graph, held once per node in Ray's object store.
+
+Input: a validated :class:`Graph` (driver). Output: a :class:`GraphHandle`, a
+small picklable reference that every sampler actor and train worker turns back
+into read-only numpy arrays with :meth:`GraphHandle.get`. The arrays are views on
+the node's object store (zero-copy): N processes on a node share one copy.
+
+Numpy arrays are used, not torch tensors, because Ray copies torch tensors out
+of the store while numpy arrays arrive as read-only views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A node-classification graph as plain numpy arrays.
+
+    The structure is the in-edge CSC: the in-neighbors of node ``v`` are
+    ``indices[indptr[v]:indptr[v + 1]]``, the layout DGL samples in-edges from
+    without building another format.
+
+    Attributes:
+        indptr: int64, ``(num_nodes + 1,)``.
+        indices: int64, ``(num_edges,)``, source node of each in-edge.
+        feat: float32, ``(num_nodes, feat_dim)``.
+        label: int64, ``(num_nodes,)``; ``-1`` marks unlabelled nodes.
+        train_idx: int64 node ids of the training split.
+        valid_idx: int64 node ids of the validation split.
+        test_idx: int64 node ids of the test split.
+        num_classes: Number of classes.
+        name: Human-readable name for logs.
+    """
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    feat: np.ndarray
+    label: np.ndarray
+    train_idx: np.ndarray
+    valid_idx: np.ndarray
+    test_idx: np.ndarray
+    num_classes: int
+    name: str = "graph"
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.indptr.shape[0] - 1)
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def feat_dim(self) -> int:
+        return int(self.feat.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all arrays: the size of one copy of the graph."""
+        return sum(getattr(self, f.name).nbytes for f in fields(self) if isinstance(getattr(self, f.name), np.ndarray))
+
+    def split(self, name: str) -> np.ndarray:
+        """Node ids of split ``train``, ``valid`` or ``test``."""
+        return {"train": self.train_idx, "valid": self.valid_idx, "test": self.test_idx}[name]
+
+
+def csc_from_edges(src: np.ndarray, dst: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Build the in-edge CSC ``(indptr, indices)`` of edges ``src -> dst``.
+
+    Edges of a node keep their input order (stable sort), so the result is
+    deterministic.
+    """
+    order = np.argsort(dst, kind="stable")
+    indices = np.ascontiguousarray(src[order], dtype=np.int64)
+    counts = np.bincount(dst, minlength=num_nodes)
+    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    return indptr, indices
+
+
+@dataclass(frozen=True)
+class GraphHandle:
+    """A picklable reference to a :class:`Graph` in the object store.
+
+    The ObjectRef sits inside a list so that Ray does not resolve it when the
+    handle is passed as an argument; it is fetched (zero-copy) only by
+    :meth:`get`. The driver that called :func:`publish` owns the object and must
+    outlive every user of the handle.
+    """
+
+    _ref: list
+    num_nodes: int
+    num_edges: int
+    feat_dim: int
+    num_classes: int
+    nbytes: int
+    name: str
+
+    def get(self) -> Graph:
+        """Return the graph as read-only numpy views on this node's object store."""
+        import ray
+
+        arrays: dict[str, Any] = ray.get(self._ref[0])
+        return Graph(**arrays, num_classes=self.num_classes, name=self.name)
+
+
+def publish(graph: Graph) -> GraphHandle:
+    """Put ``graph`` into the object store once (call on the driver)."""
+    import ray
+
+    arrays = {f.name: getattr(graph, f.name) for f in fields(graph) if isinstance(getattr(graph, f.name), np.ndarray)}
+    ref = ray.put(arrays)
+    return GraphHandle([ref], graph.num_nodes, graph.num_edges, graph.feat_dim, graph.num_classes, graph.nbytes,
+                       graph.name)
+
+
+def to_dgl(graph: Graph):
+    """Return a DGL graph over ``graph``'s CSC arrays without copying them.
+
+    The graph is restricted to the CSC format, so any DGL call that would
+    materialise COO or CSR for the whole graph (a private copy per process)
+    raises instead of silently copying.
+    """
+    import dgl
+    import torch
+
+    with _quiet_readonly_warning():
+        indptr = torch.from_numpy(graph.indptr)
+        indices = torch.from_numpy(graph.indices)
+    g = dgl.graph(("csc", (indptr, indices, torch.empty(0, dtype=torch.int64))), num_nodes=graph.num_nodes)
+    return g.formats("csc")
+
+
+class _quiet_readonly_warning:
+    """Silence torch's warning for tensors over read-only numpy arrays.
+
+    The tensors stay inside DGL's graph object and are only read; the pages
+    under them are the object store's, which is why they are read-only.
+    """
+
+    def __enter__(self):
+        import warnings
+
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)

@@ -1,0 +1,266 @@
+"""The driver: loads the graph, publishes it once, wires the stages, runs Ray Train.
+
+The stages are listed in ``gnnray/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from gnnray import checkpoint
+from gnnray.config import JobConfig, parse_args
+from gnnray.errors import ClusterError, ConfigError, GnnrayError
+from gnnray.graph_store import Graph, GraphHandle, publish
+from gnnray.train_loop import ModelFactory, WorkerSetup, train_loop
+
+METRICS_LOG = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The outcome of a run.
+
+    Attributes:
+        best_val_acc: Best validation accuracy over all epochs.
+        test_acc: Test accuracy after the last epoch.
+        checkpoint: Directory of the last checkpoint.
+        metrics: The last epoch's reported metrics.
+        restarts: Restarts from a checkpoint after failures.
+    """
+
+    best_val_acc: float
+    test_acc: float
+    checkpoint: str
+    metrics: dict
+    restarts: int
+
+    def line(self) -> str:
+        return (f"best_val_acc={self.best_val_acc:.4f} test_acc={self.test_acc:.4f} "
+                f"epochs={self.metrics['epoch'] + 1} restarts={self.restarts} checkpoint={self.checkpoint}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point; returns the process exit code."""
+    import ray.train
+
+    try:
+        cfg = parse_args(argv)
+        summary = run(cfg)
+    except GnnrayError as e:
+        print(f"gnnray: error: {e}", file=sys.stderr)
+        return 2
+    except ray.train.TrainingFailedError as e:
+        print(f"gnnray: training failed: {_one_line(e)}", file=sys.stderr)
+        return 1
+    print(summary.line(), flush=True)
+    return 0
+
+
+def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary:
+    """Train as ``cfg`` says on the connected (or a new local) Ray cluster.
+
+    Args:
+        cfg: The job configuration.
+        model_factory: Optional ``(in_feats, num_classes, cfg) -> nn.Module``
+            with ``forward(blocks, x)``; GraphSAGE by default.
+
+    Raises:
+        GnnrayError: Bad options, data or cluster; raised before training starts.
+        ray.train.TrainingFailedError: Training failed more than ``max_failures`` times.
+    """
+    import ray.train
+
+    from gnnray.datasets import load_graph
+
+    run_dir = _check_storage(cfg)
+    graph = load_graph(cfg.data)
+    print(f"graph {graph.name}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, {graph.feat_dim} features, "
+          f"{graph.num_classes} classes, train/valid/test {len(graph.train_idx):,}/{len(graph.valid_idx):,}/"
+          f"{len(graph.test_idx):,}, {graph.nbytes / 2**20:.1f} MiB", flush=True)
+    local = _init_ray(cfg)
+    use_gpu = _resolve_gpu(cfg, local)
+    handle = publish(graph)  # this process owns the graph: it must outlive the workers
+
+    restarts = 0
+    while True:
+        latest, bad = checkpoint.latest_valid(run_dir)
+        for path in bad:
+            print(f"warning: skipping incomplete or corrupt checkpoint {path}", flush=True)
+        if latest and latest.epoch + 1 >= cfg.train.epochs:
+            print(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
+                  "(use a new --name, or more --epochs to continue)", flush=True)
+            return _summary(latest, restarts)
+        first_epoch = latest.epoch + 1 if latest else 0
+        if latest:
+            print(f"resuming run {cfg.run.name!r} from epoch {first_epoch} ({latest.path})", flush=True)
+        setup = WorkerSetup(cfg, handle, first_epoch, latest.path if latest else None, restarts,
+                            os.path.join(run_dir, METRICS_LOG), model_factory)
+        try:
+            with _EpochPrinter(setup.metrics_log):
+                _fit(cfg, setup, graph, use_gpu)
+        except ray.train.TrainingFailedError as e:
+            if restarts >= cfg.run.max_failures:
+                raise
+            restarts += 1
+            print(f"training failed ({_one_line(e)}); restart {restarts}/{cfg.run.max_failures} "
+                  "from the last checkpoint", flush=True)
+            continue
+        latest, _ = checkpoint.latest_valid(run_dir)
+        return _summary(latest, restarts)
+
+
+def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> None:
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from gnnray.sampling import SamplerActor
+    from gnnray.seeds import seed_dataset
+
+    seeds = seed_dataset(graph.train_idx, cfg.sampler.batch_size, cfg.train.num_workers, setup.first_epoch,
+                         cfg.train.epochs, cfg.train.seed)
+    minibatches = seeds.map_batches(
+        SamplerActor,
+        fn_constructor_kwargs=dict(graph=setup.graph, fanouts=cfg.sampler.fanouts),
+        batch_size=1,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(min_size=cfg.sampler.actors_min, max_size=cfg.sampler.actors_max),
+        num_cpus=cfg.sampler.cpus_per_actor,
+    )
+    # Order kept so each rank's steps follow the epochs in sequence; Ray
+    # Train splits with equal=True, so every rank gets the same row count.
+    options = ray.data.ExecutionOptions(preserve_order=True)
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"setup": setup},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.train.num_workers, use_gpu=use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name,
+            storage_path=cfg.run.storage_path,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            # Restarts are the driver's (see run): the seed stream must restart
+            # at the checkpoint's epoch, which only a new dataset can do.
+            failure_config=ray.train.FailureConfig(max_failures=0),
+        ),
+        datasets={"train": minibatches},
+        dataset_config=ray.train.DataConfig(datasets_to_split=["train"], execution_options=options),
+    )
+    trainer.fit()
+
+
+class _EpochPrinter:
+    """Print one line per epoch on the driver as rank 0 appends to the metrics log."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "_EpochPrinter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.wait(0.5)
+            self._print_new()
+            if stopping:
+                return
+
+    def _print_new(self) -> None:
+        if not os.path.exists(self._path):
+            return
+        with open(self._path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self._offset += len(complete)
+        for line in complete.decode().splitlines():
+            print(epoch_line(json.loads(line)), flush=True)
+
+
+def epoch_line(m: dict) -> str:
+    """The driver's per-epoch line (grep-friendly ``key=value`` pairs)."""
+    line = (f"epoch={m['epoch']} loss={m['loss']:.4f} train_acc={m['train_acc']:.4f} val_acc={m['val_acc']:.4f} "
+            f"seeds_per_s={m['seeds_per_s']:.0f} data_wait={m['data_wait']:.2f} epoch_time={m['epoch_time']:.1f}s")
+    return line + (f" test_acc={m['test_acc']:.4f}" if "test_acc" in m else "")
+
+
+def _summary(info: checkpoint.CheckpointInfo, restarts: int) -> Summary:
+    m = info.metrics
+    return Summary(float(m["best_val_acc"]), float(m.get("test_acc", float("nan"))), info.path, m, restarts)
+
+
+def _check_storage(cfg: JobConfig) -> str:
+    if "://" in cfg.run.storage_path:
+        raise ConfigError(f"--storage-path {cfg.run.storage_path!r}: only file system paths are supported (use a "
+                          "directory, or a shared file system such as NFS on multi-node clusters)")
+    run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.storage_path)), cfg.run.name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, ".write-test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--storage-path {cfg.run.storage_path!r}: cannot write checkpoints to {run_dir} "
+                          f"({e.strerror}); choose a writable directory") from None
+    return run_dir
+
+
+def _init_ray(cfg: JobConfig) -> bool:
+    """Connect to ``RAY_ADDRESS`` or start a local cluster; return whether it is local (fixed size)."""
+    import ray
+    import ray.data
+
+    os.environ.setdefault("DGLBACKEND", "pytorch")
+    local = False
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()
+        else:
+            local = True
+            # A local cluster gets enough logical CPUs for every worker and
+            # sampler actor plus one for Ray Data's own tasks; on a small
+            # machine they then share cores rather than wait forever.
+            need = (cfg.train.num_workers * cfg.train.cpus_per_worker
+                    + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1)
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
+    ray.data.DataContext.get_current().enable_progress_bars = sys.stdout.isatty()
+    return local
+
+
+def _resolve_gpu(cfg: JobConfig, local: bool) -> bool:
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if cfg.train.use_gpu and gpus < cfg.train.num_workers:
+        if local:
+            raise ClusterError(f"--use-gpu yes with --num-workers {cfg.train.num_workers} needs "
+                               f"{cfg.train.num_workers} GPUs; this machine has {gpus:g}")
+        print(f"waiting for {cfg.train.num_workers} GPUs (the cluster has {gpus:g} now; an autoscaler may add "
+              "more)", flush=True)
+    return bool(cfg.train.use_gpu if cfg.train.use_gpu is not None else gpus >= 1)
+
+
+def _one_line(e: BaseException) -> str:
+    failures = getattr(e, "worker_failures", None)
+    if failures:
+        rank, err = sorted(failures.items())[0]
+        lines = [l for l in str(err).strip().splitlines() if l.strip()]
+        return f"rank {rank}: {lines[-1] if lines else type(err).__name__}"
+    lines = [l for l in str(e).strip().splitlines() if l.strip()]
+    return lines[-1] if lines else type(e).__name__

@@ -1,0 +1,172 @@
+"""Stage 4 (train worker): packed rows become device-ready mini-batches, ahead of time.
+
+Input: an iterator of packed mini-batches (``MiniBatch.pack`` output) and the
+node-shared feature array. A background thread copies each row into a reused
+host buffer (pinned when the device is a GPU), unpacks it, gathers its input
+features there, and, on a GPU, starts the host-to-device copy on a side CUDA
+stream, so the copy overlaps the current step's compute. Output:
+:class:`MiniBatch` es on the device, in input order.
+
+On CPU the same thread still does the copy and the feature gather, the costly
+parts, while the main thread computes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from gnnray.batch import MiniBatch
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class _HostSlot:
+    """Reusable host buffers for one in-flight mini-batch.
+
+    Reuse matters: gathering into fresh memory costs about twice as much,
+    mostly page faults (docs/performance.md).
+    """
+
+    def __init__(self, pin: bool):
+        self._pin = pin
+        self._ids = torch.empty(0, dtype=torch.int64)
+        self._feat = torch.empty(0, dtype=torch.float32)
+        self.copied: Optional[torch.cuda.Event] = None  # set once a copy from this slot is queued
+
+    def _grow(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        if buf.numel() >= numel:
+            return buf
+        return torch.empty(int(numel * 1.25) + 1024, dtype=buf.dtype, pin_memory=self._pin)
+
+    def ids(self, n: int) -> torch.Tensor:
+        self._ids = self._grow(self._ids, n)
+        return self._ids[:n]
+
+    def feat(self, rows: int, dim: int) -> torch.Tensor:
+        self._feat = self._grow(self._feat, rows * dim)
+        return self._feat[: rows * dim].view(rows, dim)
+
+
+class Prefetcher:
+    """Iterate mini-batches prepared ``depth`` steps ahead on a background thread.
+
+    A yielded batch stays valid until the next call to ``next``: its host
+    buffers are then reused.
+
+    Args:
+        rows: Packed mini-batches (1-D int64 numpy arrays), read in order.
+        feat: Node features, ``(num_nodes, F)`` float32 (read-only is fine).
+        device: Where batches are delivered.
+        depth: Batches prepared ahead of the consumer.
+    """
+
+    def __init__(self, rows: Iterable[np.ndarray], feat: np.ndarray, device: torch.device, depth: int = 2):
+        self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
+        self._feat = feat
+        self._slots = [_HostSlot(pin=self._cuda) for _ in range(depth + 2)]
+        self._stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="gnnray-prefetch", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[MiniBatch]:
+        return self
+
+    def __next__(self) -> MiniBatch:
+        if self._stop.is_set():
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END:
+            self._queue.put(_END)  # stay exhausted on later calls
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._queue.put(item)
+            raise item.exc
+        mb, ready = item
+        if ready is not None:
+            current = torch.cuda.current_stream(self._device)
+            current.wait_event(ready)
+            # Tensors allocated on the side stream are used on this one: tell
+            # the caching allocator, or it may hand their memory out too early.
+            for t in _tensors(mb):
+                t.record_stream(current)
+        return mb
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread; batches not yet consumed are dropped.
+
+        A thread blocked inside its source (e.g. a Ray Data shard waiting on
+        a dead actor) cannot be interrupted: after ``timeout`` seconds it is
+        left behind (it is a daemon) so that the error being raised, if any,
+        reaches the caller instead of hanging here.
+        """
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                self._thread.join(timeout=0.05)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _run(self, rows: Iterator[np.ndarray]) -> None:
+        try:
+            for i, packed in enumerate(rows):
+                if self._stop.is_set():
+                    return
+                if not self._put(self._prepare(packed, self._slots[i % len(self._slots)])):
+                    return
+            self._put(_END)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(_Failure(exc))
+
+    def _prepare(self, packed: np.ndarray, slot: _HostSlot):
+        if slot.copied is not None:
+            slot.copied.synchronize()  # the last copy out of this slot must finish before we overwrite it
+        ids = slot.ids(packed.shape[0])
+        ids.numpy()[:] = packed  # rows arrive as read-only views; this is the one copy
+        mb = MiniBatch.unpack(ids)
+        x = slot.feat(mb.input_nodes.shape[0], self._feat.shape[1])
+        np.take(self._feat, mb.input_nodes.numpy(), axis=0, out=x.numpy())
+        mb.x = x
+        if not self._cuda:
+            return mb, None
+        with torch.cuda.stream(self._stream):
+            mb = mb.to(self._device, non_blocking=True)
+            slot.copied = torch.cuda.Event()
+            slot.copied.record(self._stream)
+        return mb, slot.copied
+
+
+def _tensors(mb: MiniBatch) -> list[torch.Tensor]:
+    out = [mb.seeds, mb.labels, mb.input_nodes, mb.x]
+    for layer in mb.layers:
+        out += [layer.indptr, layer.indices]
+    return [t for t in out if t is not None]

@@ -1,0 +1,174 @@
+"""Stage 6 (train worker): the training loop each Ray Train worker runs.
+
+Input: this rank's shard of the sampled mini-batch stream, the node-shared
+graph (features for the gather, the structure for evaluation sampling) and the
+job configuration. Output: per-epoch ``ray.train.report`` with metrics and a
+checkpoint (rank 0 writes it).
+
+Each rank takes exactly ``steps_per_epoch`` rows per epoch from one stream that
+spans the run; the seeds stage made the row count divisible by the number of
+ranks, so every rank takes the same number of optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gnnray import checkpoint
+from gnnray.batch import MiniBatch
+from gnnray.config import JobConfig
+from gnnray.graph_store import Graph, GraphHandle
+from gnnray.prefetch import Prefetcher
+from gnnray.sampling import Sampler
+from gnnray.seeds import steps_per_epoch
+
+ModelFactory = Callable[[int, int, JobConfig], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What the driver hands every train worker.
+
+    Attributes:
+        cfg: The job configuration.
+        graph: Handle of the node-shared graph.
+        first_epoch: The epoch the seed stream starts at.
+        resume_from: Checkpoint directory to restore, chosen by the driver.
+        restarts: How many times the driver restarted the run so far.
+        metrics_log: File rank 0 appends each epoch's metrics to, as JSON
+            lines; the driver prints them as they arrive.
+        model_factory: ``(in_feats, num_classes, cfg) -> nn.Module`` whose
+            ``forward(blocks, x)`` returns logits; GraphSAGE by default.
+    """
+
+    cfg: JobConfig
+    graph: GraphHandle
+    first_epoch: int
+    resume_from: Optional[str] = None
+    restarts: int = 0
+    metrics_log: Optional[str] = None
+    model_factory: Optional[ModelFactory] = None
+
+
+def default_model(in_feats: int, num_classes: int, cfg: JobConfig) -> torch.nn.Module:
+    """GraphSAGE sized by the configuration."""
+    from gnnray.model import build_model
+
+    return build_model(in_feats, num_classes, cfg.sampler.num_layers, cfg.model.hidden, cfg.model.dropout)
+
+
+def train_loop(config: dict) -> None:
+    """The ``train_loop_per_worker`` of the job's ``TorchTrainer``; ``config["setup"]`` is a :class:`WorkerSetup`."""
+    import ray.train
+    import ray.train.torch
+
+    setup: WorkerSetup = config["setup"]
+    cfg = setup.cfg
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+
+    graph = setup.graph.get()
+    model = (setup.model_factory or default_model)(graph.feat_dim, graph.num_classes, cfg)
+    state = checkpoint.load_state(setup.resume_from) if setup.resume_from else None
+    if state:
+        model.load_state_dict(state["model"])
+    model = ray.train.torch.prepare_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    start, best_val = setup.first_epoch, 0.0
+    if state:  # after prepare_model: load_state_dict moves the state to the parameters' device
+        optimizer.load_state_dict(state["optimizer"])
+        start, best_val = state["epoch"] + 1, state["best_val_acc"]
+
+    steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, world)
+    shard = ray.train.get_dataset_shard("train")
+    rows = (b["packed"][0] for b in shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1))
+    evaluator = _Evaluator(graph, cfg, rank, world, device)
+
+    with Prefetcher(rows, graph.feat, device, depth=cfg.train.prefetch) as batches:
+        for _ in range((start - setup.first_epoch) * steps):  # stream starts before the checkpoint: skip
+            next(batches)
+        for epoch in range(start, cfg.train.epochs):
+            stats = _train_epoch(model, optimizer, batches, steps, graph.num_classes, device)
+            val_acc = evaluator.accuracy(model, "valid")
+            best_val = max(best_val, val_acc)
+            metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=setup.restarts)
+            if epoch == cfg.train.epochs - 1:
+                metrics["test_acc"] = evaluator.accuracy(model, "test")
+            _report(metrics, model, optimizer, rank, setup.metrics_log)
+
+
+def _train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device) -> dict:
+    from torchmetrics import MeanMetric, SumMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    loss_avg, wait_avg = MeanMetric().to(device), MeanMetric().to(device)
+    seeds_sum, acc = SumMetric().to(device), MulticlassAccuracy(num_classes, average="micro").to(device)
+    model.train()
+    start = time.perf_counter()
+    wait = 0.0
+    for _ in range(steps):
+        t = time.perf_counter()
+        mb = next(batches)
+        wait += time.perf_counter() - t
+        logits = model(mb.blocks(), mb.x)
+        # An empty batch (a split smaller than the ranks) still steps, with a
+        # zero loss, so every rank joins the same DDP all-reduces.
+        loss = F.cross_entropy(logits, mb.labels) if mb.num_seeds else logits.sum() * 0.0
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if mb.num_seeds:
+            loss_avg.update(loss.detach(), weight=mb.num_seeds)
+            acc.update(logits.argmax(1), mb.labels)
+        seeds_sum.update(mb.num_seeds)
+    elapsed = time.perf_counter() - start
+    wait_avg.update(wait / elapsed)
+    seeds = float(seeds_sum.compute())
+    return dict(loss=float(loss_avg.compute()), train_acc=float(acc.compute()), epoch_time=elapsed,
+                seeds_per_s=seeds / elapsed, data_wait=float(wait_avg.compute()))
+
+
+class _Evaluator:
+    """Sampled evaluation of a split: each rank takes every ``world``-th node, so the ranks cover each node once."""
+
+    def __init__(self, graph: Graph, cfg: JobConfig, rank: int, world: int, device):
+        self._graph, self._cfg, self._rank, self._world, self._device = graph, cfg, rank, world, device
+        self._sampler = Sampler(graph, cfg.sampler.fanouts)
+
+    def accuracy(self, model, split: str) -> float:
+        from torchmetrics.classification import MulticlassAccuracy
+
+        ids = self._graph.split(split)[self._rank::self._world]
+        chunks = [ids[i:i + self._cfg.train.eval_batch_size] for i in range(0, len(ids), self._cfg.train.eval_batch_size)]
+        acc = MulticlassAccuracy(self._graph.num_classes, average="micro").to(self._device)
+        net = getattr(model, "module", model)  # no DDP hooks needed without backward
+        net.eval()
+        packed = (self._sampler.sample(chunk).pack() for chunk in chunks)
+        with torch.no_grad(), Prefetcher(packed, self._graph.feat, self._device, self._cfg.train.prefetch) as batches:
+            for mb in batches:
+                acc.update(net(mb.blocks(), mb.x).argmax(1), mb.labels)
+        return float(acc.compute())  # synchronised across ranks by torchmetrics
+
+
+def _report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str]) -> None:
+    import ray.train
+
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint.save(tmp, getattr(model, "module", model), optimizer, metrics)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    if metrics_log:
+        with open(metrics_log, "a") as f:
+            f.write(json.dumps(metrics) + "\n")

@@ -1,0 +1,18 @@
+"""Train GraphSAGE node classification on a Ray cluster.
+
+Local:           python jobs/train_arxiv.py --dataset synthetic --epochs 3
+On a cluster:    ray job submit --working-dir . -- python jobs/train_arxiv.py
+``--help`` lists every option.
+"""
+
+import os
+import sys
+
+# Make the package importable when run from a checkout (e.g. `ray job submit
+# --working-dir .`) without installing it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gnnray.job import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Shared fixtures: one Ray cluster per test session, tiny graphs, the shared datasets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gnnray.graph_store import Graph, csc_from_edges
+
+os.environ.setdefault("DGLBACKEND", "pytorch")
+os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's dependency asks PyPI for updates (no internet here)
+
+# ../shared beside the repository (present here and in CI; absent on a user's machine).
+SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster shared by every test that needs one (starting one costs 10-40 s here).
+
+    Six logical CPUs on two cores: two train workers, two sampler actors and
+    Ray Data's tasks fit at once, as the job's own local cluster does.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=6, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"DGLBACKEND": "pytorch"}})
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()
+
+
+def tiny_graph(num_nodes: int = 40, num_edges: int = 200, feat_dim: int = 4, num_classes: int = 3,
+               seed: int = 0) -> Graph:
+    """A random graph small enough to check by hand; every node is in one split."""
+    rng = np.random.default_rng(seed)
+    src, dst = rng.integers(0, num_nodes, num_edges), rng.integers(0, num_nodes, num_edges)
+    indptr, indices = csc_from_edges(src, dst, num_nodes)
+    perm = rng.permutation(num_nodes)
+    a, b = num_nodes // 2, 3 * num_nodes // 4
+    return Graph(indptr, indices, rng.standard_normal((num_nodes, feat_dim)).astype(np.float32),
+                 rng.integers(0, num_classes, num_nodes).astype(np.int64),
+                 np.sort(perm[:a]), np.sort(perm[a:b]), np.sort(perm[b:]), num_classes, "tiny")
+
+
+@pytest.fixture
+def graph() -> Graph:
+    return tiny_graph()
+
+
+def shared_dataset(name: str) -> Path:
+    """Path of a dataset in ../shared/datasets, or skip saying it is missing."""
+    path = SHARED_DATASETS / name
+    if not path.is_dir():
+        pytest.skip(f"needs {path} (the shared datasets beside the repository)")
+    return path

@@ -1,0 +1,147 @@
+"""Tests of gnnray.checkpoint: save/restore and choosing the newest valid checkpoint on resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from gnnray import checkpoint
+
+
+def trained_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+def save_epoch(directory, epoch: int, seed: int = 0, **extra):
+    os.makedirs(directory, exist_ok=True)
+    model, opt = trained_model(seed)
+    metrics = dict(epoch=epoch, best_val_acc=0.5 + epoch / 100, loss=1.25, **extra)
+    checkpoint.save(str(directory), model, opt, metrics)
+    return model, opt, metrics
+
+
+def test_save_read_info_load_state(tmp_path):
+    d = tmp_path / "checkpoint_000003"
+    model, opt, metrics = save_epoch(d, 3, test_acc=0.75)
+    assert sorted(os.listdir(d)) == [checkpoint.META_FILE, checkpoint.STATE_FILE]  # no temporary files left
+
+    info = checkpoint.read_info(str(d))
+    assert info is not None
+    assert info.path == str(d)
+    assert info.epoch == 3
+    assert info.metrics == metrics
+
+    state = checkpoint.load_state(str(d))
+    assert state["epoch"] == 3
+    assert state["best_val_acc"] == pytest.approx(metrics["best_val_acc"])
+    fresh = torch.nn.Linear(4, 3)
+    fresh.load_state_dict(state["model"])
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    fresh_opt.load_state_dict(state["optimizer"])
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    for k, s in want["state"].items():
+        assert torch.equal(got["state"][k]["exp_avg"], s["exp_avg"])
+        assert torch.equal(got["state"][k]["exp_avg_sq"], s["exp_avg_sq"])
+        assert int(got["state"][k]["step"]) == int(s["step"]) == 1
+
+    meta = json.loads((d / checkpoint.META_FILE).read_text())
+    assert meta["state_bytes"] == (d / checkpoint.STATE_FILE).stat().st_size
+
+
+def test_latest_valid_picks_highest_epoch(tmp_path):
+    # Names do not sort like epochs: the epoch in meta.json decides.
+    save_epoch(tmp_path / "checkpoint_b", 2)
+    save_epoch(tmp_path / "checkpoint_c", 0)
+    save_epoch(tmp_path / "checkpoint_a", 10)
+    save_epoch(tmp_path / "checkpoint_d", 5)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # not a checkpoint
+    save_epoch(tmp_path / "other_dir", 99)  # not named checkpoint_*: ignored
+    best, bad = checkpoint.latest_valid(str(tmp_path))
+    assert best is not None
+    assert best.epoch == 10
+    assert best.path == str(tmp_path / "checkpoint_a")
+    assert bad == []
+
+
+def truncate_state(d):
+    p = d / checkpoint.STATE_FILE
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+
+
+def remove_meta(d):
+    (d / checkpoint.META_FILE).unlink()
+
+
+def corrupt_meta(d):
+    (d / checkpoint.META_FILE).write_text('{"epoch": 3, "state_by')
+
+
+def meta_without_fields(d):
+    (d / checkpoint.META_FILE).write_text(json.dumps({"epoch": 3}))
+
+
+def remove_state(d):
+    (d / checkpoint.STATE_FILE).unlink()
+
+
+def only_temporary_files(d):
+    # a crash before the first rename
+    for name in (checkpoint.STATE_FILE, checkpoint.META_FILE):
+        os.replace(d / name, d / (name + ".tmp"))
+
+
+@pytest.mark.parametrize("damage", [truncate_state, remove_meta, corrupt_meta, meta_without_fields, remove_state,
+                                    only_temporary_files])
+def test_damaged_newest_checkpoint_is_skipped(tmp_path, damage):
+    save_epoch(tmp_path / "checkpoint_000001", 1)
+    save_epoch(tmp_path / "checkpoint_000002", 2)
+    save_epoch(tmp_path / "checkpoint_000003", 3)
+    damage(tmp_path / "checkpoint_000003")
+    assert checkpoint.read_info(str(tmp_path / "checkpoint_000003")) is None
+    best, bad = checkpoint.latest_valid(str(tmp_path))
+    assert best is not None and best.epoch == 2
+    assert best.path == str(tmp_path / "checkpoint_000002")
+    assert bad == [str(tmp_path / "checkpoint_000003")]
+
+
+def test_several_damaged_checkpoints_all_listed(tmp_path):
+    save_epoch(tmp_path / "checkpoint_000001", 1)
+    for epoch, damage in [(2, truncate_state), (3, remove_meta), (4, corrupt_meta)]:
+        d = tmp_path / f"checkpoint_00000{epoch}"
+        save_epoch(d, epoch)
+        damage(d)
+    best, bad = checkpoint.latest_valid(str(tmp_path))
+    assert best.epoch == 1
+    assert sorted(bad) == [str(tmp_path / f"checkpoint_00000{e}") for e in (2, 3, 4)]
+
+
+def test_all_damaged_gives_none(tmp_path):
+    save_epoch(tmp_path / "checkpoint_000001", 1)
+    remove_meta(tmp_path / "checkpoint_000001")
+    best, bad = checkpoint.latest_valid(str(tmp_path))
+    assert best is None
+    assert bad == [str(tmp_path / "checkpoint_000001")]
+
+
+def test_empty_or_missing_run_dir(tmp_path):
+    assert checkpoint.latest_valid(str(tmp_path)) == (None, [])
+    assert checkpoint.latest_valid(str(tmp_path / "missing")) == (None, [])
+    (tmp_path / "checkpoint_file").write_text("not a directory")
+    assert checkpoint.latest_valid(str(tmp_path)) == (None, [])
+
+
+def test_read_info_missing_directory(tmp_path):
+    assert checkpoint.read_info(str(tmp_path / "nope")) is None

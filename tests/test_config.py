@@ -1,0 +1,110 @@
+"""Tests of gnnray.config: command-line parsing into a frozen, validated JobConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gnnray.config import JobConfig, parse_args
+from gnnray.errors import ConfigError
+
+FLAGS = ["--dataset", "--data-dir", "--fanouts", "--batch-size", "--hidden", "--dropout", "--lr", "--epochs",
+         "--num-workers", "--use-gpu", "--sampler-actors", "--name", "--storage-path", "--seed", "--max-failures"]
+
+
+def test_defaults():
+    cfg = parse_args([])
+    assert isinstance(cfg, JobConfig)
+    assert cfg.sampler.fanouts == (10, 10, 10)
+    assert cfg.sampler.num_layers == 3
+    assert cfg.sampler.batch_size == 1024
+    assert cfg.model.hidden == 256
+    assert cfg.data.dataset == "ogbn-arxiv"
+    assert cfg.train.use_gpu is None
+    assert cfg.sampler.actors_min <= cfg.sampler.actors_max
+    assert cfg == JobConfig()  # parse_args([]) gives the dataclass defaults
+
+
+def test_every_flag_maps_to_its_field(tmp_path):
+    cfg = parse_args([
+        "--dataset", "synthetic", "--data-dir", str(tmp_path / "data"), "--fanouts", "5,-1",
+        "--batch-size", "17", "--hidden", "33", "--dropout", "0.25", "--lr", "0.01", "--epochs", "4",
+        "--num-workers", "3", "--use-gpu", "no", "--sampler-actors", "2,5", "--name", "run-x",
+        "--storage-path", str(tmp_path / "runs"), "--seed", "42", "--max-failures", "2",
+    ])
+    assert cfg.data.dataset == "synthetic"
+    assert cfg.data.data_dir == str(tmp_path / "data")
+    assert cfg.sampler.fanouts == (5, -1)
+    assert cfg.sampler.num_layers == 2
+    assert cfg.sampler.batch_size == 17
+    assert cfg.model.hidden == 33
+    assert cfg.model.dropout == 0.25
+    assert cfg.train.lr == 0.01
+    assert cfg.train.epochs == 4
+    assert cfg.train.num_workers == 3
+    assert cfg.train.use_gpu is False
+    assert (cfg.sampler.actors_min, cfg.sampler.actors_max) == (2, 5)
+    assert cfg.run.name == "run-x"
+    assert cfg.run.storage_path == str(tmp_path / "runs")
+    assert cfg.train.seed == 42
+    assert cfg.data.seed == 42
+    assert cfg.run.max_failures == 2
+
+
+@pytest.mark.parametrize("text, expected", [("yes", True), ("no", False), ("auto", None), ("true", True),
+                                            ("0", False)])
+def test_use_gpu_values(text, expected):
+    assert parse_args(["--use-gpu", text]).train.use_gpu is expected
+
+
+def test_single_sampler_actors_fixes_pool_size():
+    cfg = parse_args(["--sampler-actors", "3"])
+    assert cfg.sampler.actors_min == 3
+    assert cfg.sampler.actors_max == 3
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--fanouts", "10,x"], "--fanouts"),
+    (["--fanouts", "0,5"], "--fanouts"),
+    (["--fanouts", "-2"], "--fanouts"),
+    (["--fanouts", ""], "--fanouts"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--sampler-actors", "3,1"], "--sampler-actors"),
+    (["--sampler-actors", "0"], "--sampler-actors"),
+    (["--sampler-actors", "1,2,3"], "--sampler-actors"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--dropout", "-0.1"], "--dropout"),
+    (["--epochs", "0"], "--epochs"),
+    (["--num-workers", "0"], "--num-workers"),
+    (["--use-gpu", "maybe"], "--use-gpu"),
+    (["--name", "a/b"], "--name"),
+    (["--name", ""], "--name"),
+    (["--hidden", "0"], "--hidden"),
+    (["--lr", "0"], "--lr"),
+    (["--max-failures", "-1"], "--max-failures"),
+])
+def test_bad_values_raise_config_error_naming_the_option(argv, option):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    assert option in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_config_is_frozen():
+    cfg = parse_args([])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.sampler = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.sampler.batch_size = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.epochs = 1
+
+
+def test_help_mentions_every_flag(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in FLAGS:
+        assert flag in out, flag

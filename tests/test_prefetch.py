@@ -1,0 +1,211 @@
+"""Tests of gnnray.prefetch: ordered, correct, exception-transparent, closable background preparation."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from gnnray.batch import Layer, MiniBatch
+from gnnray.prefetch import Prefetcher
+
+NUM_NODES, FEAT_DIM = 60, 5
+
+
+@pytest.fixture(scope="module")
+def feat() -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((NUM_NODES, FEAT_DIM)).astype(np.float32)
+
+
+def make_packed(i: int, num_seeds: int, num_extra: int = 3, epoch: int = 0) -> np.ndarray:
+    """A packed one-layer mini-batch whose seeds identify it (``i`` is the batch number)."""
+    rng = np.random.default_rng(i)
+    ids = rng.permutation(NUM_NODES)[: num_seeds + num_extra]
+    seeds, input_nodes = ids[:num_seeds], ids
+    indptr = np.arange(0, 2 * num_seeds + 1, 2)  # two in-edges per destination
+    indices = rng.integers(0, len(input_nodes), 2 * num_seeds)
+    layer = Layer(torch.from_numpy(indptr), torch.from_numpy(indices), len(input_nodes))
+    mb = MiniBatch(torch.from_numpy(seeds), torch.from_numpy(seeds % 3), torch.from_numpy(input_nodes), [layer],
+                   epoch=epoch)
+    packed = mb.pack()
+    packed.flags.writeable = False  # rows arrive from Ray Data as read-only views
+    return packed
+
+
+def expected(packed: np.ndarray) -> MiniBatch:
+    return MiniBatch.unpack(torch.from_numpy(packed.copy()))
+
+
+def check(mb: MiniBatch, packed: np.ndarray, feat: np.ndarray) -> None:
+    want = expected(packed)
+    assert mb.epoch == want.epoch
+    assert torch.equal(mb.seeds.cpu(), want.seeds)
+    assert torch.equal(mb.labels.cpu(), want.labels)
+    assert torch.equal(mb.input_nodes.cpu(), want.input_nodes)
+    for a, b in zip(mb.layers, want.layers):
+        assert a.num_src == b.num_src
+        assert torch.equal(a.indptr.cpu(), b.indptr)
+        assert torch.equal(a.indices.cpu(), b.indices)
+    assert mb.x is not None
+    assert mb.x.dtype == torch.float32
+    assert tuple(mb.x.shape) == (want.input_nodes.shape[0], feat.shape[1])
+    assert np.array_equal(mb.x.cpu().numpy(), feat[want.input_nodes.numpy()])
+
+
+def close_or_fail(p: Prefetcher, timeout: float = 30.0) -> None:
+    """Close ``p`` on a helper thread so a hang fails the test instead of blocking it."""
+    closer = threading.Thread(target=p.close, daemon=True)
+    closer.start()
+    closer.join(timeout)
+    assert not closer.is_alive(), "Prefetcher.close() hung"
+    assert not p._thread.is_alive(), "prefetch thread still alive after close()"
+
+
+def test_batches_in_order_with_features(feat):
+    rows = [make_packed(i, num_seeds=1 + i % 7, epoch=i // 4) for i in range(12)]
+    p = Prefetcher(iter(rows), feat, "cpu", depth=2)
+    got = 0
+    for i, mb in enumerate(p):
+        check(mb, rows[i], feat)
+        got += 1
+    assert got == len(rows)
+    close_or_fail(p)
+
+
+def test_last_batch_then_stop_iteration_again_and_again(feat):
+    rows = [make_packed(i, 4) for i in range(3)]
+    p = Prefetcher(rows, feat, "cpu", depth=2)
+    for i in range(3):
+        check(next(p), rows[i], feat)
+    with pytest.raises(StopIteration):
+        next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+    close_or_fail(p)
+
+
+def test_empty_source_stops_immediately(feat):
+    p = Prefetcher([], feat, "cpu", depth=2)
+    with pytest.raises(StopIteration):
+        next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+    assert list(p) == []
+    close_or_fail(p)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_source_exception_reaches_consumer_after_good_batches(feat, k):
+    rows = [make_packed(i, 3) for i in range(k)]
+
+    def source():
+        yield from rows
+        raise Boom(f"source failed after {k} rows")
+
+    p = Prefetcher(source(), feat, "cpu", depth=2)
+    for i in range(k):
+        check(next(p), rows[i], feat)
+    with pytest.raises(Boom, match=f"source failed after {k} rows"):
+        next(p)
+    with pytest.raises(Boom):  # stays failed, never hangs or pretends to have ended
+        next(p)
+    close_or_fail(p)
+
+
+def test_bad_row_raises_value_error_to_consumer(feat):
+    good = make_packed(0, 3)
+    bad = np.arange(20, dtype=np.int64)  # wrong magic
+    p = Prefetcher([good, bad, make_packed(1, 3)], feat, "cpu", depth=2)
+    check(next(p), good, feat)
+    with pytest.raises(ValueError, match="magic"):
+        next(p)
+    close_or_fail(p)
+
+
+def _infinite(slow: bool):
+    for i in itertools.count():
+        if slow:
+            time.sleep(0.002)
+        yield make_packed(i % 50, 2 + i % 5)
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["fast-source", "slow-source"])
+def test_close_stops_thread_when_consumer_stops_early(feat, slow):
+    p = Prefetcher(_infinite(slow), feat, "cpu", depth=2)
+    for _ in range(3):
+        next(p)
+    close_or_fail(p)
+
+
+def test_close_before_consuming_anything(feat):
+    p = Prefetcher(_infinite(False), feat, "cpu", depth=1)
+    close_or_fail(p)
+    close_or_fail(p)  # idempotent
+
+
+def test_context_manager_closes(feat):
+    with Prefetcher(_infinite(False), feat, "cpu", depth=2) as p:
+        next(p)
+    assert not p._thread.is_alive()
+
+
+def test_buffer_reuse_keeps_current_batch_intact(feat):
+    sizes = [1, 20, 3, 15, 2, 25, 1, 8, 30, 4, 12, 2, 27, 5, 9, 1, 18, 6, 22, 3]
+    rows = [make_packed(i, s, num_extra=(i * 7) % 10) for i, s in enumerate(sizes)]
+    p = Prefetcher(rows, feat, "cpu", depth=1)
+    held = next(p)
+    for i in range(1, len(rows) + 1):
+        time.sleep(0.002)  # let the background thread run ahead into its other buffers
+        check(held, rows[i - 1], feat)  # batch i-1 is intact until the next call
+        if i < len(rows):
+            held = next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+    close_or_fail(p)
+
+
+def test_read_only_features_are_fine(feat):
+    ro = feat.copy()
+    ro.flags.writeable = False
+    rows = [make_packed(i, 4) for i in range(3)]
+    with Prefetcher(rows, ro, "cpu", depth=2) as p:
+        for i, mb in enumerate(p):
+            check(mb, rows[i], ro)
+
+
+def test_empty_batch(feat):
+    rows = [make_packed(0, 0, num_extra=0), make_packed(1, 3)]
+    with Prefetcher(rows, feat, "cpu") as p:
+        first = next(p)
+        assert first.num_seeds == 0
+        assert tuple(first.x.shape) == (0, FEAT_DIM)
+        check(next(p), rows[1], feat)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_delivery(feat):
+    rows = [make_packed(i, 1 + (i * 5) % 23, num_extra=i % 4) for i in range(16)]
+    p = Prefetcher(rows, feat, "cuda", depth=2)
+    n = 0
+    for i, mb in enumerate(p):
+        for t in (mb.seeds, mb.labels, mb.input_nodes, mb.x, *[t for l in mb.layers for t in (l.indptr, l.indices)]):
+            assert t.is_cuda
+        # compute on the consumer's stream, as the train loop does
+        assert torch.equal((mb.x * 1.0).cpu(), torch.from_numpy(feat[expected(rows[i]).input_nodes.numpy()]))
+        check(mb, rows[i], feat)
+        n += 1
+    assert n == len(rows)
+    used = [s for s in p._slots if s._feat.numel() > 0]
+    assert used
+    for slot in used:
+        assert slot._feat.is_pinned()
+        assert slot._ids.is_pinned()
+    close_or_fail(p)

@@ -1,0 +1,134 @@
+"""Tests of gnnray.sampling: sampled blocks are real, bounded, chained sub-graphs of the graph."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_graph
+from gnnray.batch import MiniBatch
+from gnnray.graph_store import Graph
+from gnnray.sampling import Sampler, SamplerActor
+
+GRAPHS = {
+    "tiny": lambda: tiny_graph(),
+    # Many duplicate edges (multigraph) and a few high in-degree nodes.
+    "multi": lambda: tiny_graph(num_nodes=12, num_edges=150, seed=3),
+    "random500": lambda: tiny_graph(num_nodes=500, num_edges=4000, seed=1),
+}
+FANOUTS = [(2,), (3, 2), (-1, 4), (5, -1, 2), (-1, -1)]
+
+
+def in_edge_counts(graph: Graph, v: int) -> Counter:
+    return Counter(graph.indices[graph.indptr[v]:graph.indptr[v + 1]].tolist())
+
+
+def layer_global_ids(mb: MiniBatch) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(src global ids, dst global ids) of every block, input layer first."""
+    src = mb.input_nodes.numpy()
+    out = []
+    for layer in mb.layers:
+        assert layer.num_src == len(src)
+        dst = src[:layer.num_dst]
+        out.append((src, dst))
+        src = dst
+    return out
+
+
+def check_batch(graph: Graph, fanouts, seeds: np.ndarray, mb: MiniBatch) -> None:
+    assert len(mb.layers) == len(fanouts)
+    ids = layer_global_ids(mb)
+    # The last block's destinations are the seeds, in order; labels follow them.
+    assert mb.seeds.tolist() == seeds.tolist()
+    assert ids[-1][1].tolist() == seeds.tolist()
+    assert mb.labels.tolist() == graph.label[seeds].tolist()
+    for i, (layer, fanout, (src, dst)) in enumerate(zip(mb.layers, fanouts, ids)):
+        indptr, indices = layer.indptr.numpy(), layer.indices.numpy()
+        assert indptr[0] == 0 and indptr[-1] == len(indices)
+        assert np.all(np.diff(indptr) >= 0)
+        assert indices.size == 0 or (indices.min() >= 0 and indices.max() < layer.num_src)
+        assert len(np.unique(src)) == len(src), f"block {i}: duplicate source nodes"
+        # Chained: block i's destinations are block i+1's sources.
+        if i + 1 < len(mb.layers):
+            assert mb.layers[i + 1].num_src == layer.num_dst
+        for j, v in enumerate(dst.tolist()):
+            sampled = Counter(src[indices[indptr[j]:indptr[j + 1]]].tolist())
+            available = in_edge_counts(graph, v)
+            degree = sum(available.values())
+            n = sum(sampled.values())
+            for u, k in sampled.items():
+                assert k <= available[u], f"block {i}: edge {u}->{v} sampled {k}x, graph has {available[u]}"
+            if fanout == -1 or degree <= fanout:
+                assert n == degree, f"block {i}: node {v} has in-degree {degree}, sampled {n} (fanout {fanout})"
+            else:
+                assert n == fanout, f"block {i}: node {v} has in-degree {degree}, sampled {n} (fanout {fanout})"
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+@pytest.mark.parametrize("fanouts", FANOUTS, ids=lambda f: ",".join(map(str, f)))
+def test_blocks_are_sampled_from_the_graph(name, fanouts):
+    graph = GRAPHS[name]()
+    sampler = Sampler(graph, fanouts)
+    rng = np.random.default_rng(0)
+    for size in (1, 5, min(40, graph.num_nodes)):
+        seeds = rng.choice(graph.num_nodes, size, replace=False)
+        mb = sampler.sample(seeds, epoch=2)
+        assert mb.epoch == 2
+        check_batch(graph, fanouts, seeds, mb)
+
+
+def test_nodes_without_in_edges_are_kept():
+    # 0 -> 1 only: node 0 has no in-edges; node 2 is isolated.
+    from gnnray.graph_store import csc_from_edges
+
+    indptr, indices = csc_from_edges(np.array([0]), np.array([1]), 3)
+    graph = Graph(indptr, indices, np.zeros((3, 2), np.float32), np.array([0, 1, 2]), np.arange(3),
+                  np.arange(0), np.arange(0), 3)
+    mb = Sampler(graph, (2, 2)).sample(np.array([2, 1, 0]))
+    check_batch(graph, (2, 2), np.array([2, 1, 0]), mb)
+    assert set(mb.input_nodes.tolist()) == {0, 1, 2}
+
+
+def test_sampler_accepts_other_int_dtypes_and_lists():
+    graph = tiny_graph()
+    sampler = Sampler(graph, (3,))
+    mb = sampler.sample(np.array([4, 2], dtype=np.int32))
+    assert mb.seeds.dtype == torch.int64
+    check_batch(graph, (3,), np.array([4, 2]), mb)
+
+
+def test_default_epoch_is_evaluation():
+    assert Sampler(tiny_graph(), (2,)).sample(np.array([0])).epoch == -1
+
+
+def test_sampler_actor_turns_seed_rows_into_packed_minibatches(ray_cluster):
+    from gnnray.graph_store import publish
+
+    graph = tiny_graph()
+    handle = publish(graph)
+    actor = SamplerActor(handle, (3, 2))
+    s0, s1 = int(graph.train_idx[0]), int(graph.train_idx[1])
+    out = actor({"epoch": np.array([3]), "seeds": np.array([[s0, s1, -1, -1]])})
+    assert set(out) == {"packed"}
+    packed = out["packed"]
+    assert isinstance(packed, np.ndarray)
+    assert packed.dtype == np.int64
+    assert packed.ndim == 2 and packed.shape[0] == 1
+    mb = MiniBatch.unpack(torch.from_numpy(packed[0]))
+    assert mb.seeds.tolist() == [s0, s1]
+    assert mb.epoch == 3
+    assert len(mb.layers) == 2
+    check_batch(graph, (3, 2), np.array([s0, s1]), mb)
+
+
+def test_sampler_actor_all_padding_gives_empty_batch(ray_cluster):
+    from gnnray.graph_store import publish
+
+    handle = publish(tiny_graph())
+    out = SamplerActor(handle, (2,))({"epoch": np.array([0]), "seeds": np.array([[-1, -1]])})
+    mb = MiniBatch.unpack(torch.from_numpy(out["packed"][0]))
+    assert mb.num_seeds == 0
+    assert mb.epoch == 0
