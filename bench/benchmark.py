@@ -281,7 +281,7 @@ class StampedSamplerActor:
     seconds at first here); the actors' own timestamps give their steady
     rate, and the time inside the call (sampling + packing) against the time
     between calls shows what Ray Data's per-row work and waiting cost. The
-    extra column is 16 bytes a row.
+    extra column is 24 bytes a row (start, end, actor pid).
     """
 
     def __init__(self, graph, fanouts):
@@ -292,7 +292,7 @@ class StampedSamplerActor:
     def __call__(self, rows: dict) -> dict:
         start = time.time()
         out = self._actor(rows)
-        out["stamp"] = np.array([[start, time.time()]])
+        out["stamp"] = np.array([[start, time.time(), os.getpid()]])
         return out
 
 
@@ -342,27 +342,31 @@ def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settin
             ds = seeds_ds.map_batches(
                 StampedSamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=s.fanouts), batch_size=1,
                 batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=k), num_cpus=1)
-            start, done, busy, arrived, unpack_s, nbytes = time.time(), [], [], [], 0.0, 0
+            start, done, busy, pids, arrived, unpack_s, nbytes = time.time(), [], [], [], [], 0.0, 0
             for row in ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1):
                 t = time.perf_counter()
                 mb = MiniBatch.unpack(from_readonly(row["packed"][0]))
                 unpack_s += time.perf_counter() - t
                 assert mb.num_seeds > 0
                 arrived.append(time.time())
-                began, finished = row["stamp"][0].tolist()
+                began, finished, pid = row["stamp"][0].tolist()
                 done.append(finished)
+                pids.append(int(pid))
                 busy.append(finished - began)
                 nbytes += row["packed"][0].nbytes
             rate = steady_rate(sorted(done), s.sampler_warmup)
+            rows_by_actor = {pid: pids.count(pid) for pid in sorted(set(pids))}
             measured.append((k, dict(
                 actors=k, batches=len(done), warmup=s.sampler_warmup, total_batches_per_s=rate,
                 per_actor_batches_per_s=rate / k, first_batch_done_s=min(done) - start,
                 in_call_ms=1000 * statistics.mean(busy[s.sampler_warmup:]),
-                between_calls_ms=1000 * (k / rate - statistics.mean(busy[s.sampler_warmup:])),
+                between_calls_ms=1000 * (len(rows_by_actor) / rate - statistics.mean(busy[s.sampler_warmup:])),
                 consumer_lag_end_s=arrived[-1] - max(done), unpack_ms=1000 * unpack_s / len(done),
+                rows_by_actor=list(rows_by_actor.values()),
                 mean_packed_mib=nbytes / len(done) / 2**20)))
             m = measured[-1][1]
-            print(f"[2] pipeline k={k}: {rate:.1f} batches/s total, {rate / k:.1f} per actor; in the actor "
+            print(f"[2] pipeline k={k}: {rate:.1f} batches/s total, {rate / k:.1f} per actor (rows per actor: "
+                  f"{m['rows_by_actor']}); in the actor "
                   f"{m['in_call_ms']:.1f} ms/batch sampling+packing, {m['between_calls_ms']:.1f} ms between calls; "
                   f"first batch {m['first_batch_done_s']:.1f} s after start; consumer "
                   f"{m['consumer_lag_end_s']:.2f} s behind at the end; unpack {m['unpack_ms']:.2f} ms", flush=True)

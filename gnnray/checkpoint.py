@@ -1,7 +1,8 @@
 """Checkpoints: written by rank 0 each epoch, chosen by the driver on resume.
 
 A checkpoint directory holds ``state.pt`` (model, optimizer, epoch, best
-validation accuracy) and ``meta.json`` (epoch, metrics and ``state.pt``'s size).
+validation accuracy, node embeddings and their optimizer if any) and
+``meta.json`` (epoch, metrics, ``state.pt``'s size and the job configuration).
 ``meta.json`` is written last, each file through a temporary name and an atomic
 rename, so a crash mid-write leaves a directory without a valid ``meta.json``:
 :func:`latest_valid` skips it and resume falls back to the previous one.
@@ -38,14 +39,41 @@ class CheckpointInfo:
     metrics: dict
 
 
-def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, metrics: dict[str, Any]) -> None:
-    """Write a checkpoint of the epoch ``metrics["epoch"]`` into ``directory`` (crash-safe, see the module docstring)."""
+def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, metrics: dict[str, Any],
+         extra: Optional[dict[str, Any]] = None, config: Optional[dict[str, Any]] = None) -> None:
+    """Write a checkpoint of the epoch ``metrics["epoch"]`` into ``directory`` (crash-safe, see the module docstring).
+
+    Args:
+        directory: Where to write.
+        model: Its ``state_dict`` is saved as ``model``.
+        optimizer: Its ``state_dict`` is saved as ``optimizer``.
+        metrics: The epoch's metrics (``epoch``, ``best_val_acc``, ...).
+        extra: More entries of ``state.pt`` (e.g. ``embedding``).
+        config: JSON-able job configuration (``dataclasses.asdict(JobConfig)``)
+            stored in ``meta.json`` so that ``jobs/predict.py`` can rebuild the
+            model and the graph.
+    """
     epoch = int(metrics["epoch"])
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-             "best_val_acc": float(metrics["best_val_acc"])}
+             "best_val_acc": float(metrics["best_val_acc"]), **(extra or {})}
     _atomic_write(os.path.join(directory, STATE_FILE), lambda f: torch.save(state, f))
     size = os.path.getsize(os.path.join(directory, STATE_FILE))
     meta = {"epoch": epoch, "state_bytes": size, "metrics": metrics}
+    if config is not None:
+        meta["config"] = config
+    _atomic_write(os.path.join(directory, META_FILE), lambda f: f.write(json.dumps(meta).encode()))
+
+
+def read_meta(directory: str) -> dict:
+    """Return ``meta.json`` of the checkpoint in ``directory`` (``epoch``, ``metrics``, ``config`` if saved)."""
+    with open(os.path.join(directory, META_FILE)) as f:
+        return json.load(f)
+
+
+def update_metrics(directory: str, metrics: dict[str, Any]) -> None:
+    """Merge ``metrics`` into the checkpoint's ``meta.json`` (atomically), e.g. accuracies computed after training."""
+    meta = read_meta(directory)
+    meta["metrics"] = {**meta["metrics"], **metrics}
     _atomic_write(os.path.join(directory, META_FILE), lambda f: f.write(json.dumps(meta).encode()))
 
 

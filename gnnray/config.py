@@ -36,6 +36,9 @@ class DataConfig:
         synthetic_feat_dim: Feature dimension of the synthetic graph.
         synthetic_avg_degree: Average in-degree of the synthetic graph.
         seed: Seed of the synthetic generator and of random features.
+        embedding_dim: If > 0, every node also gets a learnable embedding of
+            this size as input (appended to its features; a graph without
+            features is then accepted).
     """
 
     dataset: str = "ogbn-arxiv"
@@ -49,6 +52,7 @@ class DataConfig:
     synthetic_feat_dim: int = 64
     synthetic_avg_degree: int = 10
     seed: int = 0
+    embedding_dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,12 +85,16 @@ class ModelConfig:
     """The GNN.
 
     Attributes:
-        hidden: Hidden feature size.
+        hidden: Hidden feature size (per attention head for GAT).
         dropout: Dropout probability between layers.
+        name: ``sage`` (GraphSAGE), ``gat`` or ``gcn`` (see ``gnnray.model``).
+        heads: Attention heads of GAT's hidden layers.
     """
 
     hidden: int = 256
     dropout: float = 0.5
+    name: str = "sage"
+    heads: int = 4
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,13 @@ class TrainConfig:
         prefetch: Mini-batches each worker prepares ahead of the current step.
         eval_batch_size: Seeds per evaluation mini-batch.
         seed: Seed of shuffling, model initialisation and dropout.
+        eval: How the final accuracies are computed: ``layerwise`` (exact,
+            all neighbors, ``gnnray.inference``, after training) or
+            ``sampled`` (with ``fanouts``, on the train workers). Per-epoch
+            validation is always sampled.
+        inference_batch_size: Nodes per chunk of layer-wise inference.
+        embedding_lr: SparseAdam learning rate of the node embeddings
+            (``None``: ``lr``).
     """
 
     epochs: int = 10
@@ -115,6 +130,9 @@ class TrainConfig:
     prefetch: int = 2
     eval_batch_size: int = 4096
     seed: int = 0
+    eval: str = "layerwise"
+    inference_batch_size: int = 10_000
+    embedding_lr: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,23 @@ class JobConfig:
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     run: RunConfig = RunConfig()
+
+
+def from_dict(d: dict) -> JobConfig:
+    """Rebuild a :class:`JobConfig` from ``dataclasses.asdict`` output (as checkpoints store it).
+
+    Keys unknown to this version are ignored and missing ones take their
+    defaults, so checkpoints of older or newer versions still load.
+    """
+    from dataclasses import fields
+
+    def part(cls, values: dict):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in (values or {}).items() if k in names})
+
+    return JobConfig(data=part(DataConfig, d.get("data")), sampler=part(SamplerConfig, d.get("sampler")),
+                     model=part(ModelConfig, d.get("model")), train=part(TrainConfig, d.get("train")),
+                     run=part(RunConfig, d.get("run")))
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:
@@ -186,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random features of this dimension for a graph without features (load tests only)")
     g.add_argument("--normalize-features", action="store_true",
                    help="scale each node's features to sum to 1 (bag-of-words graphs such as cora)")
+    g.add_argument("--embedding-dim", type=int, default=d.data.embedding_dim, metavar="DIM",
+                   help="learnable node embedding of this size as (extra) input, updated sparsely; "
+                   "lets a graph without features train (0: off)")
     g.add_argument("--synthetic-nodes", type=int, default=d.data.synthetic_nodes, help="nodes of the synthetic graph")
     g.add_argument("--synthetic-classes", type=int, default=d.data.synthetic_classes, help="classes of the synthetic graph")
     g.add_argument("--synthetic-feat-dim", type=int, default=d.data.synthetic_feat_dim, help="feature size of the synthetic graph")
@@ -200,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpus-per-sampler", type=float, default=d.sampler.cpus_per_actor, help="CPUs per sampler actor")
 
     g = p.add_argument_group("model")
-    g.add_argument("--hidden", type=int, default=d.model.hidden, help="hidden feature size")
+    g.add_argument("--model", default=d.model.name, choices=["sage", "gat", "gcn"],
+                   help="GraphSAGE (SAGEConv mean), GAT (GATConv) or GCN (GraphConv); gat and gcn want --self-loops")
+    g.add_argument("--hidden", type=int, default=d.model.hidden, help="hidden feature size (per head for gat)")
+    g.add_argument("--heads", type=int, default=d.model.heads, help="attention heads of gat's hidden layers")
     g.add_argument("--dropout", type=float, default=d.model.dropout, help="dropout probability")
 
     g = p.add_argument_group("training")
@@ -212,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpus-per-worker", type=float, default=d.train.cpus_per_worker, help="CPUs per train worker")
     g.add_argument("--prefetch", type=int, default=d.train.prefetch, help="mini-batches prepared ahead per worker")
     g.add_argument("--eval-batch-size", type=int, default=d.train.eval_batch_size, help="seeds per evaluation mini-batch")
+    g.add_argument("--eval", default=d.train.eval, choices=["layerwise", "sampled"],
+                   help="final accuracies: layerwise (exact, all neighbors, a Ray Data job after training) or sampled "
+                   "(with --fanouts, on the train workers); per-epoch validation is sampled either way")
+    g.add_argument("--inference-batch-size", type=int, default=d.train.inference_batch_size,
+                   help="nodes per chunk of layer-wise inference")
+    g.add_argument("--embedding-lr", type=float, default=None,
+                   help="SparseAdam learning rate of --embedding-dim embeddings (default: --lr)")
     g.add_argument("--seed", type=int, default=d.train.seed, help="random seed (shuffling, initialisation, synthetic data)")
 
     g = p.add_argument_group("run")
@@ -238,16 +286,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> JobConfig:
             dataset=a.dataset, data_dir=a.data_dir, add_reverse_edges=reverse, add_self_loops=a.self_loops,
             random_features=a.random_features, normalize_features=a.normalize_features, synthetic_nodes=a.synthetic_nodes,
             synthetic_classes=a.synthetic_classes, synthetic_feat_dim=a.synthetic_feat_dim,
-            synthetic_avg_degree=a.synthetic_avg_degree, seed=a.seed,
+            synthetic_avg_degree=a.synthetic_avg_degree, seed=a.seed, embedding_dim=a.embedding_dim,
         ),
         sampler=SamplerConfig(
             fanouts=_int_list(a.fanouts, "--fanouts"), batch_size=a.batch_size,
             actors_min=lo_hi[0], actors_max=lo_hi[-1], cpus_per_actor=a.cpus_per_sampler,
         ),
-        model=ModelConfig(hidden=a.hidden, dropout=a.dropout),
+        model=ModelConfig(hidden=a.hidden, dropout=a.dropout, name=a.model, heads=a.heads),
         train=TrainConfig(
             epochs=a.epochs, lr=a.lr, weight_decay=a.weight_decay, num_workers=a.num_workers, use_gpu=_bool_or_auto(a.use_gpu),
             cpus_per_worker=a.cpus_per_worker, prefetch=a.prefetch, eval_batch_size=a.eval_batch_size, seed=a.seed,
+            eval=a.eval, inference_batch_size=a.inference_batch_size, embedding_lr=a.embedding_lr,
         ),
         run=RunConfig(name=a.name, storage_path=a.storage_path, max_failures=a.max_failures,
                       keep_checkpoints=a.keep_checkpoints),
@@ -273,6 +322,12 @@ def validate(cfg: JobConfig) -> None:
         (cfg.train.prefetch >= 1, f"--prefetch {cfg.train.prefetch}: must be at least 1"),
         (cfg.train.eval_batch_size > 0, f"--eval-batch-size {cfg.train.eval_batch_size}: must be at least 1"),
         (cfg.data.random_features >= 0, f"--random-features {cfg.data.random_features}: must be >= 0"),
+        (cfg.data.embedding_dim >= 0, f"--embedding-dim {cfg.data.embedding_dim}: must be >= 0 (0: no embedding)"),
+        (cfg.model.name in ("sage", "gat", "gcn"), f"--model {cfg.model.name!r}: choose sage, gat or gcn"),
+        (cfg.model.heads >= 1, f"--heads {cfg.model.heads}: must be at least 1"),
+        (cfg.train.eval in ("layerwise", "sampled"), f"--eval {cfg.train.eval!r}: choose layerwise or sampled"),
+        (cfg.train.inference_batch_size > 0, f"--inference-batch-size {cfg.train.inference_batch_size}: must be at least 1"),
+        (cfg.train.embedding_lr is None or cfg.train.embedding_lr > 0, f"--embedding-lr {cfg.train.embedding_lr}: must be > 0"),
         (cfg.run.max_failures >= 0, f"--max-failures {cfg.run.max_failures}: must be >= 0"),
         (cfg.run.keep_checkpoints >= 1, f"--keep-checkpoints {cfg.run.keep_checkpoints}: must be at least 1"),
         (bool(cfg.run.name) and "/" not in cfg.run.name, f"--name {cfg.run.name!r}: must be a non-empty name without '/'"),

@@ -10,6 +10,15 @@ and splits) that has passed :func:`validate`, ready for
 * ``synthetic``: :func:`make_synthetic`, a learnable graph built in memory.
 * ``ogbn-arxiv`` (or ``ogbn-products``): read by the ``ogb`` package from
   ``DATA_DIR/ogbn_arxiv``; downloaded only when that holds no OGB files.
+* ``ogbn-papers100M``: OGB's binary layout (``raw/data.npz``,
+  ``raw/node-label.npz``, ``split/time/``) in ``DATA_DIR/ogbn_papers100M``,
+  read with ogb's metadata but not its loader: the large arrays are
+  decompressed once into ``processed/gnnray/*.npy`` and memory-mapped
+  (:func:`_npz_array`), never held twice.
+
+Reverse edges (``add_reverse_edges``) are added by :func:`_bidirected_csc`
+straight into the CSC, in chunks, so a 1.6-billion-edge graph is not copied
+several times on the way.
 * anything else: the path of a graph directory::
 
       DIR/edges.parquet  src, dst: int64; one row per edge src -> dst
@@ -29,7 +38,10 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import sys
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -47,8 +59,12 @@ log = logging.getLogger(__name__)
 
 _SPLITS = ("train", "valid", "test")
 # Homogeneous single-label OGB datasets, and whether reverse edges are added by
-# default: arxiv is a directed citation graph, ogb stores products both ways.
-_OGB_REVERSE_DEFAULT = {"ogbn-arxiv": True, "ogbn-products": False}
+# default: arxiv and papers100M are directed citation graphs, ogb stores
+# products both ways.
+_OGB_REVERSE_DEFAULT = {"ogbn-arxiv": True, "ogbn-products": False, "ogbn-papers100M": True}
+# Distributed as numpy archives (master.csv "binary"), read by _read_ogb_npz.
+_OGB_NPZ = ("ogbn-papers100M",)
+_CHUNK_EDGES = 1 << 23  # edges per step of the chunked CSC build (~64 MiB of int64)
 _GRAPH_DIR_HELP = ("a graph directory needs edges.parquet (int64 columns src, dst), nodes.parquet "
                    "(int64 id, int64 label, string split, optional feat: fixed-size list of float32) "
                    "and meta.json (num_nodes, num_classes)")
@@ -91,7 +107,7 @@ def load_graph(cfg: DataConfig) -> Graph:
                                  cfg.synthetic_avg_degree, cfg.seed)
     elif cfg.dataset in _OGB_REVERSE_DEFAULT:
         source, reverse_default = cfg.dataset, _OGB_REVERSE_DEFAULT[cfg.dataset]
-        parts = _read_ogb(cfg.dataset, cfg.data_dir)
+        parts = (_read_ogb_npz if cfg.dataset in _OGB_NPZ else _read_ogb)(cfg.dataset, cfg.data_dir)
     else:
         path = Path(cfg.dataset).expanduser()
         if not path.is_dir():
@@ -109,8 +125,13 @@ def load_graph(cfg: DataConfig) -> Graph:
         sums = np.abs(parts.feat).sum(axis=1, keepdims=True)
         parts.feat = (parts.feat / np.maximum(sums, 1e-12)).astype(np.float32)
     reverse = reverse_default if cfg.add_reverse_edges is None else cfg.add_reverse_edges
-    parts.src, parts.dst = _transform_edges(parts.src, parts.dst, parts.num_nodes, reverse, cfg.add_self_loops)
-    graph = _build(parts)
+    if reverse:
+        csc = _bidirected_csc(parts.src, parts.dst, parts.num_nodes, cfg.add_self_loops)
+        parts.src = parts.dst = None  # the (possibly memory-mapped) edge list is no longer needed
+        graph = _build(parts, csc)
+    else:
+        parts.src, parts.dst = _transform_edges(parts.src, parts.dst, parts.num_nodes, False, cfg.add_self_loops)
+        graph = _build(parts)
     validate(graph, source)
     return graph
 
@@ -270,12 +291,7 @@ def _read_ogb(name: str, data_dir: str) -> _Parts:
 
     n = int(graph["num_nodes"])
     edge_index = np.asarray(graph["edge_index"], dtype=np.int64)
-    label = np.asarray(labels).reshape(n, -1)
-    if label.shape[1] != 1:
-        raise DatasetError(f"{name}: has {label.shape[1]} labels per node; only single-label datasets are supported")
-    label = label[:, 0]
-    if np.issubdtype(label.dtype, np.floating):  # unlabelled nodes are NaN in some OGB datasets
-        label = np.where(np.isnan(label), -1, label)
+    label = _ogb_label(labels, n, name)
     for column, ids in (("source", edge_index[0]), ("destination", edge_index[1])):
         _check_ids(ids, n, f"{local / 'raw' / 'edge.csv.gz'}: {column} ids")
     feat = graph.get("node_feat")
@@ -283,10 +299,127 @@ def _read_ogb(name: str, data_dir: str) -> _Parts:
         name=name, num_nodes=n, num_classes=int(dataset.num_classes),
         src=edge_index[0], dst=edge_index[1],
         feat=None if feat is None else np.ascontiguousarray(feat, dtype=np.float32),
-        label=label.astype(np.int64),
+        label=label,
         splits={k: np.asarray(split[k], dtype=np.int64).reshape(-1) for k in _SPLITS},
         no_feat=f"{local / 'raw' / 'node-feat.csv.gz'} is missing",
     )
+
+
+def _read_ogb_npz(name: str, data_dir: str) -> _Parts:
+    """Read an OGB dataset of ogb's binary layout (papers100M) with ogb's metadata, not its loader.
+
+    ogb's loader decompresses every array of ``raw/data.npz`` into memory and
+    then saves a pickled copy of them all (``processed/data_processed``):
+    twice papers100M's 57 GB of features, plus the edges. Here each large array
+    is decompressed once, a chunk at a time, into ``processed/gnnray/KEY.npy``
+    (:func:`_npz_array`), which this and later loads memory-map.
+    """
+    try:
+        meta = _ogb_meta(name)
+    except ImportError as exc:
+        raise DatasetError(f"{name}: the ogb package is needed to read it ({exc}); pip install ogb") from exc
+    local = Path(data_dir).expanduser() / name.replace("-", "_")
+    raw, split_dir = local / "raw", local / "split" / meta["split"]
+    files = [raw / "data.npz", raw / "node-label.npz"] + [split_dir / f"{k}.csv.gz" for k in _SPLITS]
+    missing = [str(f.relative_to(local)) for f in files if not f.is_file()]
+    if missing:
+        raise DatasetError(
+            f"{name}: {', '.join(missing)} not found in {local}. gnnray does not download it unattended (tens of "
+            f"GB): download {meta['url']}, unzip it in {local.parent} and rename {meta['download_name']}/ to "
+            f"{local.name}/, or pass --data-dir for the directory that holds {local.name}/")
+    import pandas as pd
+
+    try:
+        with np.load(raw / "data.npz") as npz:
+            keys, counts = set(npz.files), npz["num_nodes_list"]
+        if len(counts) != 1:
+            raise ValueError(f"num_nodes_list has {len(counts)} graphs; expected one")
+        n = int(counts[0])
+        edge_index = _npz_array(raw / "data.npz", "edge_index", local / "processed" / "gnnray")
+        feat = (_npz_array(raw / "data.npz", "node_feat", local / "processed" / "gnnray", np.float32)
+                if "node_feat" in keys else None)
+        with np.load(raw / "node-label.npz") as npz:
+            labels = npz["node_label"]
+        splits = {k: pd.read_csv(split_dir / f"{k}.csv.gz", compression="gzip", header=None).to_numpy()[:, 0]
+                  for k in _SPLITS}
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise DatasetError(f"{name}: cannot read the OGB files in {local}: {type(exc).__name__}: {exc}. Repair "
+                           f"them, or download {meta['url']} again") from exc
+    if edge_index.ndim != 2 or edge_index.shape[0] != 2:
+        raise DatasetError(f"{raw / 'data.npz'}: edge_index has shape {edge_index.shape}; expected (2, num_edges)")
+    if feat is not None and (feat.ndim != 2 or feat.shape[0] != n):
+        raise DatasetError(f"{raw / 'data.npz'}: node_feat has shape {feat.shape}; expected ({n}, feat_dim)")
+    for column, ids in (("source", edge_index[0]), ("destination", edge_index[1])):
+        _check_ids(ids, n, f"{raw / 'data.npz'}: edge_index {column} ids")
+    return _Parts(
+        name=name, num_nodes=n, num_classes=int(meta["num classes"]), src=edge_index[0], dst=edge_index[1],
+        feat=feat, label=_ogb_label(labels, n, name),
+        splits={k: np.asarray(v, dtype=np.int64) for k, v in splits.items()},
+        no_feat=f"{raw / 'data.npz'} has no node_feat",
+    )
+
+
+def _ogb_label(labels, n: int, name: str) -> np.ndarray:
+    """One int64 label per node from ogb's label array (``-1`` where it is NaN: unlabelled)."""
+    label = np.asarray(labels).reshape(n, -1)
+    if label.shape[1] != 1:
+        raise DatasetError(f"{name}: has {label.shape[1]} labels per node; only single-label datasets are supported")
+    label = label[:, 0]
+    if np.issubdtype(label.dtype, np.floating):  # unlabelled nodes are NaN in some OGB datasets
+        label = np.where(np.isnan(label), -1, label)
+    return label.astype(np.int64)
+
+
+def _npz_array(npz: Path, key: str, cache: Path, dtype=None) -> np.ndarray:
+    """Array ``key`` of the archive ``npz``, memory-mapped from an uncompressed copy ``cache/KEY.npy``.
+
+    The copy is written once, a chunk at a time from the compressed member
+    (cast to ``dtype`` if given), through a temporary name, and reused while
+    it is newer than the archive. Without a writable ``cache`` the array is
+    read into memory instead (a warning says so).
+    """
+    target = cache / f"{key}.npy"
+    if target.is_file() and target.stat().st_mtime >= npz.stat().st_mtime:
+        return np.load(target, mmap_mode="r")
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(npz) as zf, zf.open(key + ".npy") as member:
+            version = np.lib.format.read_magic(member)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"{npz}: {key} has .npy format version {version}; expected 1.0 or 2.0")
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran, src_dtype = read_header(member)
+            if fortran or src_dtype.hasobject:
+                raise ValueError(f"{npz}: {key} is Fortran-ordered or holds objects; expected a C-ordered numeric array")
+            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype or src_dtype, shape=shape)
+            flat, step = out.reshape(-1), max(1, (64 << 20) // src_dtype.itemsize)
+            for pos in range(0, flat.size, step):
+                count = min(step, flat.size - pos)
+                data = member.read(count * src_dtype.itemsize)
+                if len(data) != count * src_dtype.itemsize:
+                    raise ValueError(f"{npz}: {key} is truncated")
+                flat[pos:pos + count] = np.frombuffer(data, dtype=src_dtype)
+            out.flush()
+            del out, flat
+        os.replace(tmp, target)
+    except PermissionError:
+        log.warning("%s is not writable: reading %s of %s into memory instead of memory-mapping it", cache, key, npz)
+        with np.load(npz) as z:
+            return z[key].astype(dtype or z[key].dtype, copy=False)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return np.load(target, mmap_mode="r")
+
+
+def _ogb_meta(name: str) -> dict:
+    """ogb's metadata of dataset ``name`` (its ``master.csv``): url, split, num classes, ..."""
+    import pandas as pd
+
+    package_dir = Path(sys.modules[_import_ogb().__module__].__file__).parent
+    master = pd.read_csv(package_dir / "master.csv", index_col=0, keep_default_na=False)
+    return dict(master[name])
 
 
 def _import_ogb():
@@ -494,8 +627,13 @@ def _features(parts: _Parts, cfg: DataConfig, source: str) -> np.ndarray:
         rng = np.random.default_rng(cfg.seed)
         return rng.standard_normal((parts.num_nodes, cfg.random_features), dtype=np.float32)
     if parts.feat is None:
-        raise DatasetError(f"{source}: the graph has no node features ({parts.no_feat}). Add them, or pass "
-                           f"--random-features DIM to use random features (for load tests: they carry no signal)")
+        if cfg.embedding_dim > 0:
+            # Zero-width features: the learnable embeddings are the whole input
+            # and the object store holds no feature bytes.
+            return np.zeros((parts.num_nodes, 0), dtype=np.float32)
+        raise DatasetError(f"{source}: the graph has no node features ({parts.no_feat}). Add them, pass "
+                           f"--embedding-dim DIM to learn node embeddings instead, or pass --random-features DIM "
+                           f"to use random features (for load tests: they carry no signal)")
     return parts.feat
 
 
@@ -515,8 +653,67 @@ def _transform_edges(src: np.ndarray, dst: np.ndarray, n: int, reverse: bool,
     return src, dst
 
 
-def _build(parts: _Parts) -> Graph:
-    indptr, indices = csc_from_edges(parts.src, parts.dst, parts.num_nodes)
+def _bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
+                    chunk: int = _CHUNK_EDGES) -> tuple[np.ndarray, np.ndarray]:
+    """In-edge CSC of the edges ``src -> dst`` and ``dst -> src``, duplicates dropped, built in chunks.
+
+    The same graph as :func:`_transform_edges` with ``reverse=True`` followed
+    by :func:`csc_from_edges` (each node's in-neighbors sorted by id, plus a
+    self loop for every node if ``self_loops``), without their copies of the
+    doubled edge list: peak memory is the output (``indices`` for both
+    directions, before duplicates are dropped), two ``n + 1`` counters and
+    ``chunk``-sized temporaries. ``src`` and ``dst`` may be memory-mapped.
+    """
+    m = int(src.shape[0])
+    deg = np.full(n, 1 if self_loops else 0, dtype=np.int64)
+    for a in range(0, m, chunk):
+        deg += np.bincount(dst[a:a + chunk], minlength=n)
+        deg += np.bincount(src[a:a + chunk], minlength=n)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(deg, out=indptr[1:])
+    del deg
+    indices = np.empty(int(indptr[-1]), dtype=np.int64)
+    free = indptr[:-1].copy()  # next unwritten slot of each node's segment
+
+    def scatter(s: np.ndarray, d: np.ndarray) -> None:
+        order = np.argsort(d, kind="stable")
+        d, s = d[order], s[order]
+        starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+        counts = np.diff(np.r_[starts, d.size])
+        rank = np.arange(d.size) - np.repeat(starts, counts)  # position among the chunk's edges into d
+        indices[free[d] + rank] = s
+        free[d[starts]] += counts
+
+    for a in range(0, m, chunk):
+        s, d = np.asarray(src[a:a + chunk], dtype=np.int64), np.asarray(dst[a:a + chunk], dtype=np.int64)
+        scatter(s, d)
+        scatter(d, s)
+    if self_loops:
+        for a in range(0, n, chunk):
+            loops = np.arange(a, min(a + chunk, n), dtype=np.int64)
+            scatter(loops, loops)
+    del free
+
+    # Sort each node's in-neighbors and drop duplicates, a block of nodes at a
+    # time, compacting in place (the write position never passes the read one).
+    out_ptr = np.zeros(n + 1, dtype=np.int64)
+    v = written = 0
+    while v < n:
+        w = min(n, max(v + 1, int(np.searchsorted(indptr, indptr[v] + chunk, side="right")) - 1))
+        local_dst = np.repeat(np.arange(w - v, dtype=np.int64), np.diff(indptr[v:w + 1]))
+        key = np.unique(local_dst * n + indices[indptr[v]:indptr[w]])
+        kept_dst, kept_src = np.divmod(key, n)
+        indices[written:written + key.size] = kept_src
+        out_ptr[v + 1:w + 1] = written + np.cumsum(np.bincount(kept_dst, minlength=w - v))
+        written += key.size
+        v = w
+    # A view keeps the dropped duplicates' memory; worth a copy only when
+    # many were dropped (a graph stored both ways already).
+    return out_ptr, indices[:written].copy() if 2 * written < indices.size else indices[:written]
+
+
+def _build(parts: _Parts, csc: Optional[tuple[np.ndarray, np.ndarray]] = None) -> Graph:
+    indptr, indices = csc if csc is not None else csc_from_edges(parts.src, parts.dst, parts.num_nodes)
     return Graph(indptr=indptr, indices=indices, feat=parts.feat, label=parts.label,
                  train_idx=parts.splits["train"], valid_idx=parts.splits["valid"], test_idx=parts.splits["test"],
                  num_classes=parts.num_classes, name=parts.name)

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -27,7 +28,8 @@ class Summary:
 
     Attributes:
         best_val_acc: Best validation accuracy over all epochs.
-        test_acc: Test accuracy after the last epoch.
+        test_acc: Test accuracy after the last epoch (layer-wise with ``--eval layerwise``,
+            the sampled one is then ``metrics["test_acc_sampled"]``).
         checkpoint: Directory of the last checkpoint.
         metrics: The last epoch's reported metrics.
         restarts: Restarts from a checkpoint after failures.
@@ -40,8 +42,10 @@ class Summary:
     restarts: int
 
     def line(self) -> str:
+        sampled = self.metrics.get("test_acc_sampled")  # set when test_acc is layer-wise
         return (f"best_val_acc={self.best_val_acc:.4f} test_acc={self.test_acc:.4f} "
-                f"epochs={self.metrics['epoch'] + 1} restarts={self.restarts} checkpoint={self.checkpoint}")
+                + (f"test_acc_sampled={sampled:.4f} " if sampled is not None else "")
+                + f"epochs={self.metrics['epoch'] + 1} restarts={self.restarts} checkpoint={self.checkpoint}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -85,6 +89,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
     local = _init_ray(cfg)
     use_gpu = _resolve_gpu(cfg, local)
     handle = publish(graph)  # this process owns the graph: it must outlive the workers
+    graph = handle.get()  # views on the store from here on: the loading copy is freed
 
     restarts = 0
     while True:
@@ -94,14 +99,14 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         if latest and latest.epoch + 1 >= cfg.train.epochs:
             print(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
                   "(use a new --name, or more --epochs to continue)", flush=True)
-            return _summary(latest, restarts)
+            return _summary(_final_eval(cfg, latest, graph, handle, model_factory, run_dir), restarts)
         first_epoch = latest.epoch + 1 if latest else 0
         if latest:
             print(f"resuming run {cfg.run.name!r} from epoch {first_epoch} ({latest.path})", flush=True)
         setup = WorkerSetup(cfg, handle, first_epoch, latest.path if latest else None, restarts,
                             os.path.join(run_dir, METRICS_LOG), model_factory)
         try:
-            with _EpochPrinter(setup.metrics_log):
+            with _EpochPrinter(setup.metrics_log, cfg.train.epochs):
                 _fit(cfg, setup, graph, use_gpu)
         except ray.train.TrainingFailedError as e:
             if restarts >= cfg.run.max_failures:
@@ -111,7 +116,36 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
                   "from the last checkpoint", flush=True)
             continue
         latest, _ = checkpoint.latest_valid(run_dir)
-        return _summary(latest, restarts)
+        return _summary(_final_eval(cfg, latest, graph, handle, model_factory, run_dir), restarts)
+
+
+def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph, handle: GraphHandle,
+                model_factory: Optional[ModelFactory], run_dir: str) -> checkpoint.CheckpointInfo:
+    """With ``--eval layerwise``, replace the last checkpoint's sampled accuracies by layer-wise inference's.
+
+    The sampled test accuracy is kept as ``test_acc_sampled``; the result is
+    written into the checkpoint's ``meta.json``, so it is computed once.
+    """
+    from gnnray import inference
+
+    if cfg.train.eval != "layerwise" or latest.metrics.get("eval") == "layerwise":
+        return latest
+    model, embedding = inference.load_model(latest.path, cfg, graph.feat_dim, graph.num_classes, model_factory)
+    if not inference.supports_layerwise(model):
+        print(f"note: {type(model).__name__} has no layer(i, block, h): final accuracies are sampled", flush=True)
+        return latest
+    result = inference.run(graph, handle, model, embedding=embedding, work_dir=os.path.join(run_dir, "inference"),
+                           batch_size=cfg.train.inference_batch_size,
+                           actors=(cfg.sampler.actors_min, cfg.sampler.actors_max),
+                           cpus_per_actor=cfg.sampler.cpus_per_actor)
+    print(f"layer-wise inference: {result.num_nodes:,} nodes in {result.seconds:.1f}s, "
+          f"val_acc={result.accuracy['valid']:.4f} test_acc={result.accuracy['test']:.4f}", flush=True)
+    update = {"eval": "layerwise", "val_acc_layerwise": result.accuracy["valid"],
+              "test_acc": result.accuracy["test"], "inference_s": result.seconds}
+    if "test_acc" in latest.metrics:
+        update["test_acc_sampled"] = latest.metrics["test_acc"]
+    checkpoint.update_metrics(latest.path, update)
+    return checkpoint.read_info(latest.path) or latest
 
 
 def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> None:
@@ -126,7 +160,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
                          cfg.train.epochs, cfg.train.seed)
     minibatches = seeds.map_batches(
         SamplerActor,
-        fn_constructor_kwargs=dict(graph=setup.graph, fanouts=cfg.sampler.fanouts),
+        fn_constructor_kwargs=dict(graph=setup.graph, fanouts=cfg.sampler.fanouts, run=cfg.run.name),
         batch_size=1,
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=cfg.sampler.actors_min, max_size=cfg.sampler.actors_max),
@@ -159,8 +193,10 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
 class _EpochPrinter:
     """Print one line per epoch on the driver as rank 0 appends to the metrics log."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, epochs: int):
         self._path = path
+        self._epochs = epochs
+        self._seen: list[float] = []  # when the driver saw each epoch's line
         self._offset = os.path.getsize(path) if os.path.exists(path) else 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -189,13 +225,29 @@ class _EpochPrinter:
         complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
         self._offset += len(complete)
         for line in complete.decode().splitlines():
-            print(epoch_line(json.loads(line)), flush=True)
+            m = json.loads(line)
+            print(epoch_line(m, self._eta(m)), flush=True)
+
+    def _eta(self, m: dict) -> Optional[float]:
+        """Seconds until the last epoch ends: epochs left times the mean epoch seen so far.
+
+        Between two lines the driver sees a whole epoch (training, evaluation,
+        checkpoint); for the first line it has only rank 0's training time.
+        """
+        self._seen.append(time.monotonic())
+        left = self._epochs - 1 - m["epoch"]
+        if left <= 0:
+            return None
+        if len(self._seen) >= 2:
+            return left * (self._seen[-1] - self._seen[0]) / (len(self._seen) - 1)
+        return left * m["epoch_time"]
 
 
-def epoch_line(m: dict) -> str:
-    """The driver's per-epoch line (grep-friendly ``key=value`` pairs)."""
+def epoch_line(m: dict, eta_s: Optional[float] = None) -> str:
+    """The driver's per-epoch line (grep-friendly ``key=value`` pairs), with ``eta=`` when ``eta_s`` is given."""
     line = (f"epoch={m['epoch']} loss={m['loss']:.4f} train_acc={m['train_acc']:.4f} val_acc={m['val_acc']:.4f} "
             f"seeds_per_s={m['seeds_per_s']:.0f} data_wait={m['data_wait']:.2f} epoch_time={m['epoch_time']:.1f}s")
+    line += f" eta={eta_s:.0f}s" if eta_s is not None else ""
     return line + (f" test_acc={m['test_acc']:.4f}" if "test_acc" in m else "")
 
 

@@ -11,6 +11,8 @@ code wherever it runs.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -53,14 +55,21 @@ class SamplerActor:
     Args:
         graph: Handle of the node-shared graph; the actor keeps only views.
         fanouts: Neighbors per layer, input layer first.
+        run: Run name that tags the actor's metrics (:class:`gnnray.metrics.SamplerMetrics`).
     """
 
-    def __init__(self, graph: GraphHandle, fanouts: tuple[int, ...]):
+    def __init__(self, graph: GraphHandle, fanouts: tuple[int, ...], run: str = "gnnray"):
+        from gnnray.metrics import SamplerMetrics
+
         self._sampler = Sampler(graph.get(), fanouts)
+        self._metrics = SamplerMetrics(run)
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         # batch_size=1: one seed batch in, one mini-batch out, so each output
         # row is one training step and rows split evenly across ranks.
+        start = time.perf_counter()
         seeds = rows["seeds"][0]
         mb = self._sampler.sample(seeds[seeds >= 0], epoch=int(rows["epoch"][0]))
-        return {"packed": mb.pack()[None]}
+        packed = mb.pack()[None]
+        self._metrics.batch(sum(int(layer.indices.shape[0]) for layer in mb.layers), time.perf_counter() - start)
+        return {"packed": packed}

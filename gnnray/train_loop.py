@@ -12,6 +12,7 @@ ranks, so every rank takes the same number of optimizer steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -25,7 +26,9 @@ import torch.nn.functional as F
 from gnnray import checkpoint
 from gnnray.batch import MiniBatch
 from gnnray.config import JobConfig
+from gnnray.embedding import NodeEmbedding
 from gnnray.graph_store import Graph, GraphHandle
+from gnnray.metrics import TrainMetrics
 from gnnray.prefetch import Prefetcher
 from gnnray.sampling import Sampler
 from gnnray.seeds import steps_per_epoch
@@ -59,10 +62,11 @@ class WorkerSetup:
 
 
 def default_model(in_feats: int, num_classes: int, cfg: JobConfig) -> torch.nn.Module:
-    """GraphSAGE sized by the configuration."""
+    """The model ``--model`` names (GraphSAGE by default), sized by the configuration."""
     from gnnray.model import build_model
 
-    return build_model(in_feats, num_classes, cfg.sampler.num_layers, cfg.model.hidden, cfg.model.dropout)
+    return build_model(in_feats, num_classes, cfg.sampler.num_layers, cfg.model.hidden, cfg.model.dropout,
+                       name=cfg.model.name, heads=cfg.model.heads)
 
 
 def train_loop(config: dict) -> None:
@@ -78,10 +82,15 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
 
     graph = setup.graph.get()
-    model = (setup.model_factory or default_model)(graph.feat_dim, graph.num_classes, cfg)
+    model = (setup.model_factory or default_model)(graph.feat_dim + cfg.data.embedding_dim, graph.num_classes, cfg)
+    # Replicated on every rank, outside DDP; see gnnray.embedding for how the ranks stay consistent.
+    embedding = (NodeEmbedding(graph.num_nodes, cfg.data.embedding_dim, cfg.train.embedding_lr or cfg.train.lr,
+                               cfg.train.seed) if cfg.data.embedding_dim else None)
     state = checkpoint.load_state(setup.resume_from) if setup.resume_from else None
     if state:
         model.load_state_dict(state["model"])
+        if embedding:
+            embedding.load_state_dict(state["embedding"])
     model = ray.train.torch.prepare_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     start, best_val = setup.first_epoch, 0.0
@@ -92,22 +101,25 @@ def train_loop(config: dict) -> None:
     steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, world)
     shard = ray.train.get_dataset_shard("train")
     rows = (b["packed"][0] for b in shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1))
-    evaluator = _Evaluator(graph, cfg, rank, world, device)
+    evaluator = _Evaluator(graph, cfg, rank, world, device, embedding)
+    exported = TrainMetrics(cfg.run.name, rank)
 
     with Prefetcher(rows, graph.feat, device, depth=cfg.train.prefetch) as batches:
         for _ in range((start - setup.first_epoch) * steps):  # stream starts before the checkpoint: skip
             next(batches)
         for epoch in range(start, cfg.train.epochs):
-            stats = _train_epoch(model, optimizer, batches, steps, graph.num_classes, device)
+            stats = _train_epoch(model, optimizer, batches, steps, graph.num_classes, device, exported, embedding)
             val_acc = evaluator.accuracy(model, "valid")
             best_val = max(best_val, val_acc)
             metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=setup.restarts)
             if epoch == cfg.train.epochs - 1:
                 metrics["test_acc"] = evaluator.accuracy(model, "test")
-            _report(metrics, model, optimizer, rank, setup.metrics_log)
+            exported.epoch(epoch, metrics)
+            _report(metrics, model, optimizer, rank, setup.metrics_log, embedding, _saved_config(setup))
 
 
-def _train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device) -> dict:
+def _train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device,
+                 exported: Optional[TrainMetrics] = None, embedding: Optional[NodeEmbedding] = None) -> dict:
     from torchmetrics import MeanMetric, SumMetric
     from torchmetrics.classification import MulticlassAccuracy
 
@@ -119,18 +131,25 @@ def _train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num
     for _ in range(steps):
         t = time.perf_counter()
         mb = next(batches)
-        wait += time.perf_counter() - t
-        logits = model(mb.blocks(), mb.x)
+        waited = time.perf_counter() - t
+        wait += waited
+        logits = model(mb.blocks(), model_input(mb, embedding))
         # An empty batch (a split smaller than the ranks) still steps, with a
         # zero loss, so every rank joins the same DDP all-reduces.
         loss = F.cross_entropy(logits, mb.labels) if mb.num_seeds else logits.sum() * 0.0
         optimizer.zero_grad(set_to_none=True)
+        if embedding:
+            embedding.zero_grad()
         loss.backward()
         optimizer.step()
+        if embedding:
+            embedding.step()  # sparse all-reduce over the ranks, then SparseAdam
         if mb.num_seeds:
             loss_avg.update(loss.detach(), weight=mb.num_seeds)
             acc.update(logits.argmax(1), mb.labels)
         seeds_sum.update(mb.num_seeds)
+        if exported:
+            exported.step(time.perf_counter() - t, waited, mb.num_seeds)
     elapsed = time.perf_counter() - start
     wait_avg.update(wait / elapsed)
     seeds = float(seeds_sum.compute())
@@ -141,8 +160,10 @@ def _train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num
 class _Evaluator:
     """Sampled evaluation of a split: each rank takes every ``world``-th node, so the ranks cover each node once."""
 
-    def __init__(self, graph: Graph, cfg: JobConfig, rank: int, world: int, device):
+    def __init__(self, graph: Graph, cfg: JobConfig, rank: int, world: int, device,
+                 embedding: Optional[NodeEmbedding] = None):
         self._graph, self._cfg, self._rank, self._world, self._device = graph, cfg, rank, world, device
+        self._embedding = embedding
         self._sampler = Sampler(graph, cfg.sampler.fanouts)
 
     def accuracy(self, model, split: str) -> float:
@@ -156,18 +177,32 @@ class _Evaluator:
         packed = (self._sampler.sample(chunk).pack() for chunk in chunks)
         with torch.no_grad(), Prefetcher(packed, self._graph.feat, self._device, self._cfg.train.prefetch) as batches:
             for mb in batches:
-                acc.update(net(mb.blocks(), mb.x).argmax(1), mb.labels)
+                acc.update(net(mb.blocks(), model_input(mb, self._embedding)).argmax(1), mb.labels)
         return float(acc.compute())  # synchronised across ranks by torchmetrics
 
 
-def _report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str]) -> None:
+def model_input(mb: MiniBatch, embedding: Optional[NodeEmbedding]) -> torch.Tensor:
+    """The model's input for ``mb``: its features, then its input nodes' embeddings if the job learns them."""
+    if embedding is None:
+        return mb.x
+    return torch.cat([mb.x, embedding(mb.input_nodes).to(mb.x.device)], dim=1)
+
+
+def _saved_config(setup: WorkerSetup) -> dict:
+    """The configuration a checkpoint stores, so that ``jobs/predict.py`` can rebuild model and graph."""
+    return {**dataclasses.asdict(setup.cfg), "custom_model": setup.model_factory is not None}
+
+
+def _report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str],
+            embedding: Optional[NodeEmbedding] = None, config: Optional[dict] = None) -> None:
     import ray.train
 
     if rank != 0:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint.save(tmp, getattr(model, "module", model), optimizer, metrics)
+        extra = {"embedding": embedding.state_dict()} if embedding else None
+        checkpoint.save(tmp, getattr(model, "module", model), optimizer, metrics, extra=extra, config=config)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
     if metrics_log:
         with open(metrics_log, "a") as f:

@@ -18,22 +18,32 @@ SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray cluster shared by every test that needs one (starting one costs 10-40 s here).
+def cluster():
+    """The session's Ray cluster (``ray.cluster_utils.Cluster``), started once (10-40 s here).
 
-    Six logical CPUs on two cores: two train workers, two sampler actors and
-    Ray Data's tasks fit at once, as the job's own local cluster does.
+    Its head has six logical CPUs on two cores, so two train workers, two
+    sampler actors and Ray Data's tasks fit at once, as in the job's own local
+    cluster. Multi-node tests add simulated nodes with ``cluster.add_node`` and
+    must remove them (``cluster.remove_node``) before they return.
     """
     import ray
-
-    if not ray.is_initialized():
-        ray.init(num_cpus=6, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"DGLBACKEND": "pytorch"}})
     import ray.data
+    from ray.cluster_utils import Cluster
 
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6})
+    ray.init(address=c.address, runtime_env={"env_vars": {"DGLBACKEND": "pytorch", "OUTDATED_IGNORE": "1"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
+    yield c
     ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(cluster):
+    """The ``ray`` module, connected to the session's cluster."""
+    import ray
+
+    return ray
 
 
 def tiny_graph(num_nodes: int = 40, num_edges: int = 200, feat_dim: int = 4, num_classes: int = 3,

@@ -1,0 +1,391 @@
+"""Layer-wise full-neighbor inference: exact predictions for every node, as a Ray Data job.
+
+Sampled evaluation recomputes each node's neighborhood with ``--fanouts``;
+layer-wise inference (as DGL's ``inference`` and PyG's multi-GPU example) is
+exact and cheaper: layer ``i`` is computed once for *all* nodes, each with
+*all* its in-neighbors, from layer ``i - 1``'s output for all nodes.
+
+One Ray Data job per layer maps chunks of node ids (``map_batches`` over
+``ray.data.range(num_nodes)``, an actor pool): each actor attaches the
+node-shared graph (:meth:`GraphHandle.get`) and the previous layer's output,
+builds the full-neighbor block of its chunk with :class:`~gnnray.sampling.Sampler`
+(fanout ``-1``) and applies ``model.layer(i, block, h)``.
+
+Where the layers live: layer 0's input is the graph's features (object store)
+and, with ``--embedding-dim``, the trained embedding table, which the driver
+puts in the object store once. Each hidden layer's output is a ``.npy`` file in
+a work directory (``num_nodes x width`` float32) that the actors write their
+rows into and the next layer's actors memory-map; no process ever holds it
+whole, and a layer's file is deleted once the next layer is done. The work
+directory must be visible to every node (a shared file system on several
+nodes, like the checkpoint storage). The last layer's rows (node id,
+predicted class and, optionally, its input, the final embedding) stream back
+to the driver, which counts accuracies and may write them to Parquet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from gnnray.errors import ConfigError
+from gnnray.graph_store import Graph, GraphHandle
+
+_SPLIT_CODES = {"train": 1, "valid": 2, "test": 3}
+
+
+@dataclass(frozen=True)
+class InferenceResult:
+    """What a layer-wise inference run measured.
+
+    Attributes:
+        accuracy: Accuracy per split (``train``, ``valid``, ``test``), over
+            every node of the split.
+        num_nodes: Nodes predicted (all of the graph).
+        seconds: Wall time of all layers.
+        output: The Parquet file written, if any.
+    """
+
+    accuracy: dict
+    num_nodes: int
+    seconds: float
+    output: Optional[str] = None
+
+
+def load_model(directory: str, cfg, feat_dim: int, num_classes: int,
+               model_factory=None) -> tuple[torch.nn.Module, Optional[np.ndarray]]:
+    """Rebuild the trained model (eval mode, CPU) and embedding table from a checkpoint.
+
+    Args:
+        directory: The checkpoint directory.
+        cfg: The run's :class:`~gnnray.config.JobConfig`.
+        feat_dim: The graph's feature size.
+        num_classes: The graph's number of classes.
+        model_factory: The user model factory the run trained with, if any.
+
+    Returns:
+        The model and the ``(num_nodes, dim)`` embedding table (``None``
+        without ``--embedding-dim``).
+
+    Raises:
+        ConfigError: The checkpoint does not match the configuration.
+    """
+    from gnnray import checkpoint
+    from gnnray.train_loop import default_model
+
+    state = checkpoint.load_state(directory)
+    model = (model_factory or default_model)(feat_dim + cfg.data.embedding_dim, num_classes, cfg)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ConfigError(f"checkpoint {directory} does not fit the {cfg.model.name} model of its configuration "
+                          f"({str(exc).splitlines()[0]}); was it written by a different model or dataset?") from None
+    embedding = None
+    if cfg.data.embedding_dim:
+        if "embedding" not in state:
+            raise ConfigError(f"checkpoint {directory} has no node embeddings but its configuration has "
+                              f"embedding_dim {cfg.data.embedding_dim}")
+        embedding = state["embedding"]["weight"].numpy()
+    return model.eval(), embedding
+
+
+def supports_layerwise(model: torch.nn.Module) -> bool:
+    """Whether ``model`` exposes ``num_layers`` and ``layer(i, block, h)`` (the built-in models do)."""
+    return callable(getattr(model, "layer", None)) and isinstance(getattr(model, "num_layers", None), int)
+
+
+class LayerRunner:
+    """Computes one layer for chunks of nodes, with all their in-neighbors.
+
+    The work of one inference actor, usable in-process too.
+
+    Args:
+        graph: The graph (structure; features are passed in ``inputs``).
+        model: A model with ``layer(i, block, h)``, in eval mode.
+        layer: Which layer to apply.
+        inputs: Arrays whose rows, concatenated, are the layer's input per
+            node: ``[features, embedding table]`` for layer 0, the previous
+            layer's output after it.
+    """
+
+    def __init__(self, graph: Graph, model: torch.nn.Module, layer: int, inputs: Sequence[np.ndarray]):
+        from gnnray.sampling import Sampler
+
+        self._sampler = Sampler(graph, (-1,))
+        self._model, self._layer, self._inputs = model, layer, [a for a in inputs if a.shape[1] > 0]
+
+    def __call__(self, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """Return the layer's output for nodes ``ids`` and their own input rows."""
+        mb = self._sampler.sample(ids)
+        nodes = mb.input_nodes.numpy()
+        x = np.concatenate([np.take(a, nodes, axis=0) for a in self._inputs], axis=1)
+        with torch.no_grad():
+            h = self._model.layer(self._layer, mb.blocks()[0], torch.from_numpy(x))
+        return h, x[: len(ids)]  # the chunk's nodes come first among the block's source nodes
+
+
+class _LayerActor:
+    """The callable class of an inference layer's actor pool (one instance per actor)."""
+
+    def __init__(self, graph: GraphHandle, model: list, layer: int, input_path: Optional[str],
+                 embedding: Optional[list], output_path: Optional[str], with_embeddings: bool):
+        import ray
+
+        g = graph.get()
+        if input_path is None:  # layer 0: features from the store, plus the embedding table if any
+            inputs = [g.feat] + ([ray.get(embedding[0])] if embedding else [])
+        else:
+            inputs = [np.load(input_path, mmap_mode="r")]
+        self._runner = LayerRunner(g, ray.get(model[0]), layer, inputs)
+        self._out = np.load(output_path, mmap_mode="r+") if output_path else None
+        self._with_embeddings = with_embeddings
+
+    def __call__(self, batch: dict) -> dict:
+        ids = np.asarray(batch["id"], dtype=np.int64)
+        h, x = self._runner(ids)
+        if self._out is not None:
+            self._out[ids] = h.numpy()
+            self._out.flush()  # visible to the next layer's actors, also through a shared file system
+            return {"rows": np.array([len(ids)], dtype=np.int64)}
+        out = {"id": ids, "pred": h.argmax(1).numpy().astype(np.int64)}
+        if self._with_embeddings:
+            out["embedding"] = np.ascontiguousarray(x, dtype=np.float32)
+        return out
+
+
+def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding: Optional[np.ndarray] = None,
+        work_dir: Optional[str] = None, batch_size: int = 10_000, actors: tuple[int, int] = (1, 2),
+        cpus_per_actor: float = 1.0, output: Optional[str] = None, with_embeddings: bool = False) -> InferenceResult:
+    """Predict every node with layer-wise full-neighbor inference (call on the driver, Ray connected).
+
+    Args:
+        graph: The graph; the driver reads only labels and splits from it.
+        handle: The same graph in the object store, for the actors.
+        model: A model with ``num_layers`` and ``layer(i, block, h)``.
+        embedding: The learned ``(num_nodes, dim)`` embedding table, if the
+            model was trained with ``--embedding-dim``.
+        work_dir: Where the hidden layers' outputs are written (a fresh
+            subdirectory, removed at the end); a temporary directory if
+            ``None``. Needs ``num_nodes x width x 4`` bytes for two layers.
+        batch_size: Nodes per chunk.
+        actors: Smallest and largest size of each layer's actor pool.
+        cpus_per_actor: CPUs reserved by each actor.
+        output: Parquet file to write: ``id``, ``pred`` and with
+            ``with_embeddings`` ``embedding`` (the last layer's input).
+        with_embeddings: Write the final embeddings too.
+
+    Returns:
+        The accuracies per split.
+
+    Raises:
+        ValueError: ``model`` has no per-layer interface.
+    """
+    import ray
+    import ray.data
+
+    if not supports_layerwise(model):
+        raise ValueError(f"{type(model).__name__} has no layer(i, block, h) and num_layers; layer-wise inference "
+                         "needs them (the built-in models have them); use sampled evaluation instead")
+    model = model.cpu().eval()
+    start = time.perf_counter()
+    n = graph.num_nodes
+    widths = _layer_widths(model, graph.feat_dim + (0 if embedding is None else embedding.shape[1]))
+    model_ref = [ray.put(model)]
+    embedding_ref = [ray.put(np.ascontiguousarray(embedding, dtype=np.float32))] if embedding is not None else None
+    if work_dir:
+        os.makedirs(work_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="gnnray-inference-", dir=work_dir)
+    try:
+        previous = None
+        for i in range(model.num_layers - 1):
+            path = os.path.join(tmp, f"layer{i}.npy")
+            np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, widths[i])).flush()
+            rows = sum(int(b["rows"].sum()) for b in _layer_dataset(
+                handle, model_ref, i, previous, embedding_ref, path, False, n, batch_size, actors,
+                cpus_per_actor).iter_batches(batch_size=None, batch_format="numpy"))
+            if rows != n:
+                raise RuntimeError(f"layer {i} computed {rows} rows for {n} nodes")
+            if previous:
+                os.remove(previous)
+            previous = path
+        ds = _layer_dataset(handle, model_ref, model.num_layers - 1, previous, embedding_ref, None,
+                            with_embeddings and output is not None, n, batch_size, actors, cpus_per_actor)
+        accuracy, rows = _consume_predictions(ds, graph, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if rows != n:
+        raise RuntimeError(f"the last layer predicted {rows} rows for {n} nodes")
+    return InferenceResult(accuracy, n, time.perf_counter() - start, output)
+
+
+def _layer_widths(model: torch.nn.Module, in_dim: int) -> list[int]:
+    """Output width of every layer, found by applying each to one node without in-edges."""
+    import dgl
+
+    widths, h = [], torch.zeros(1, in_dim)
+    with torch.no_grad():
+        for i in range(model.num_layers):
+            block = dgl.create_block(([], []), num_src_nodes=1, num_dst_nodes=1)
+            h = model.layer(i, block, h)
+            widths.append(int(h.shape[1]))
+    return widths
+
+
+def _layer_dataset(handle, model_ref, layer, input_path, embedding_ref, output_path, with_embeddings, n,
+                   batch_size, actors, cpus_per_actor):
+    import ray.data
+
+    return ray.data.range(n, override_num_blocks=max(1, -(-n // batch_size))).map_batches(
+        _LayerActor,
+        fn_constructor_kwargs=dict(graph=handle, model=model_ref, layer=layer, input_path=input_path,
+                                   embedding=embedding_ref if input_path is None else None,
+                                   output_path=output_path, with_embeddings=with_embeddings),
+        batch_size=batch_size,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(min_size=actors[0], max_size=actors[1]),
+        num_cpus=cpus_per_actor,
+    )
+
+
+def _consume_predictions(ds, graph: Graph, output: Optional[str]) -> tuple[dict, int]:
+    """Stream the last layer's rows: count correct predictions per split, write them to ``output``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    code = np.zeros(graph.num_nodes, dtype=np.int8)
+    for name, value in _SPLIT_CODES.items():
+        code[graph.split(name)] = value
+    correct, total = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64)
+    writer, tmp_out, rows = None, None, 0
+    with _preserve_order(), contextlib.ExitStack() as stack:
+        for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            ids, pred = b["id"], b["pred"]
+            c = code[ids]
+            np.add.at(total, c, 1)
+            np.add.at(correct, c, (pred == graph.label[ids]).astype(np.int64))
+            rows += len(ids)
+            if output is not None:
+                table = _table(b)
+                if writer is None:
+                    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+                    tmp_out = output + ".tmp"
+                    writer = stack.enter_context(pq.ParquetWriter(tmp_out, table.schema))
+                writer.write_table(table)
+    if output is not None:
+        if writer is None:  # no rows (an empty graph cannot pass validation, but stay well-formed)
+            pq.write_table(pa.table({"id": pa.array([], pa.int64()), "pred": pa.array([], pa.int64())}), output)
+        else:
+            os.replace(tmp_out, output)
+    accuracy = {name: float(correct[v] / total[v]) if total[v] else float("nan") for name, v in _SPLIT_CODES.items()}
+    return accuracy, rows
+
+
+def _table(batch: dict):
+    import pyarrow as pa
+
+    columns = {"id": pa.array(batch["id"]), "pred": pa.array(batch["pred"])}
+    if "embedding" in batch and batch["embedding"].shape[1] > 0:
+        e = np.ascontiguousarray(batch["embedding"], dtype=np.float32)
+        columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(e.reshape(-1)), e.shape[1])
+    return pa.table(columns)
+
+
+@contextlib.contextmanager
+def _preserve_order():
+    """Rows in node id order (the output file reads naturally), for this job only."""
+    import ray.data
+
+    options = ray.data.DataContext.get_current().execution_options
+    saved = options.preserve_order
+    options.preserve_order = True
+    try:
+        yield
+    finally:
+        options.preserve_order = saved
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``jobs/predict.py``: predict every node from a checkpoint and write Parquet; returns the exit code."""
+    import argparse
+    import dataclasses
+    import sys
+
+    from gnnray.errors import GnnrayError
+
+    p = argparse.ArgumentParser(
+        prog="predict.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Predict every node of a trained run's graph with layer-wise full-neighbor inference (a Ray "
+        "Data job per layer) and write node id, predicted class and optionally the final embedding to Parquet.")
+    p.add_argument("--checkpoint", required=True,
+                   help="a checkpoint directory, or a run directory (STORAGE_PATH/NAME: its newest valid checkpoint)")
+    p.add_argument("--output", required=True, help="Parquet file to write (columns id, pred[, embedding])")
+    p.add_argument("--embeddings", action="store_true",
+                   help="also write each node's final embedding (the input of the output layer)")
+    p.add_argument("--dataset", default=None, help="override the dataset stored in the checkpoint")
+    p.add_argument("--data-dir", default=None, help="override the data directory stored in the checkpoint")
+    p.add_argument("--work-dir", default=None,
+                   help="where hidden layers' outputs are written meanwhile (default: beside --output; "
+                   "on several nodes it must be a shared file system)")
+    p.add_argument("--batch-size", type=int, default=None, help="nodes per chunk (default: the run's)")
+    a = p.parse_args(argv)
+    try:
+        if a.batch_size is not None and a.batch_size < 1:
+            raise ConfigError(f"--batch-size {a.batch_size}: must be at least 1")
+        cfg, directory = _checkpoint_config(a.checkpoint)
+        data = dataclasses.replace(cfg.data, **{k: v for k, v in (("dataset", a.dataset), ("data_dir", a.data_dir))
+                                                 if v is not None})
+        cfg = dataclasses.replace(cfg, data=data)
+        result = _predict(cfg, directory, a.output, a.embeddings,
+                          a.work_dir or os.path.dirname(os.path.abspath(a.output)),
+                          a.batch_size or cfg.train.inference_batch_size)
+    except GnnrayError as e:
+        print(f"gnnray: error: {e}", file=sys.stderr)
+        return 2
+    acc = " ".join(f"{k}_acc={v:.4f}" for k, v in result.accuracy.items())
+    print(f"predicted {result.num_nodes} nodes in {result.seconds:.1f}s: {acc} output={result.output}", flush=True)
+    return 0
+
+
+def _checkpoint_config(path: str):
+    """The configuration stored with the checkpoint at ``path`` (or the newest valid one of run directory ``path``)."""
+    from gnnray import checkpoint
+    from gnnray.config import from_dict
+
+    info = checkpoint.read_info(path)
+    if info is None:
+        info, _ = checkpoint.latest_valid(path)
+    if info is None:
+        raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected a directory with state.pt "
+                            "and meta.json, or a run directory STORAGE_PATH/NAME holding checkpoint_* directories)")
+    meta = checkpoint.read_meta(info.path)
+    if "config" not in meta:
+        raise ConfigError(f"--checkpoint {info.path}: it stores no job configuration (written by an older "
+                            "gnnray); retrain, or call gnnray.inference.run with the model yourself")
+    if meta["config"].get("custom_model"):
+        raise ConfigError(f"--checkpoint {info.path}: trained with a custom model factory that predict.py cannot "
+                            "rebuild; call gnnray.inference.load_model with it and gnnray.inference.run")
+    return from_dict(meta["config"]), info.path
+
+
+def _predict(cfg, directory: str, output: str, with_embeddings: bool, work_dir: str,
+             batch_size: int) -> InferenceResult:
+    from gnnray.datasets import load_graph
+    from gnnray.graph_store import publish
+    from gnnray.job import _init_ray
+
+    graph = load_graph(cfg.data)
+    model, embedding = load_model(directory, cfg, graph.feat_dim, graph.num_classes)
+    _init_ray(cfg)
+    handle = publish(graph)
+    graph = handle.get()  # views on the store: the loading copy is freed
+    return run(graph, handle, model, embedding=embedding, work_dir=work_dir, batch_size=batch_size,
+               actors=(cfg.sampler.actors_min, cfg.sampler.actors_max), cpus_per_actor=cfg.sampler.cpus_per_actor,
+               output=output, with_embeddings=with_embeddings)

@@ -1,0 +1,22 @@
+"""Predict every node from a training checkpoint with layer-wise full-neighbor inference.
+
+    python jobs/predict.py --checkpoint ~/.gnnray/runs/NAME --output preds.parquet [--embeddings]
+
+writes one row per node: ``id``, ``pred`` (the predicted class) and, with
+``--embeddings``, ``embedding`` (the input of the model's output layer). The
+model and the graph are rebuilt from the configuration stored in the
+checkpoint. ``RAY_ADDRESS=auto`` joins a running cluster; ``--help`` lists
+every option.
+"""
+
+import os
+import sys
+
+# Make the package importable when run from a checkout (e.g. `ray job submit
+# --working-dir .`) without installing it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gnnray.inference import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Monitoring: the job's Prometheus metrics, read back from each node's Ray metrics endpoint, and the epoch line."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from gnnray.config import parse_args
+from gnnray.datasets import load_graph
+from gnnray.job import epoch_line, run
+from gnnray.seeds import steps_per_epoch
+
+EPOCHS, WORKERS, BATCH, FANOUTS = 2, 2, 128, (5, 5)
+ARGS = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts",
+        ",".join(map(str, FANOUTS)), "--batch-size", str(BATCH), "--hidden", "32", "--num-workers", str(WORKERS),
+        "--sampler-actors", "1,2", "--epochs", str(EPOCHS)]
+
+
+class _Scraper:
+    """Poll every alive node's metrics endpoint; keep the last value of each ``gnnray_`` sample of one run.
+
+    Gauges of a process vanish from the endpoint some seconds after it exits,
+    so the test scrapes while the job runs; counters stay.
+    """
+
+    def __init__(self, ray, run: str):
+        self._ray, self._run = ray, run
+        self.samples: dict[tuple, float] = {}  # (name without "ray_", sorted labels) -> value
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "_Scraper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            self.scrape()
+
+    def scrape(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for node in self._ray.nodes():
+            if not node["Alive"]:
+                continue
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            try:
+                body = urllib.request.urlopen(url, timeout=10).read().decode()
+            except OSError:
+                continue  # an agent still starting; the next poll retries
+            for family in text_string_to_metric_families(body):
+                for s in family.samples:
+                    name = s.name[len("ray_"):] if s.name.startswith("ray_") else s.name
+                    if name.startswith("gnnray_") and s.labels.get("run") == self._run:
+                        keep = {k: v for k, v in s.labels.items() if k in ("rank", "actor", "le")}
+                        self.samples[(name, tuple(sorted(keep.items())))] = s.value
+
+    def values(self, name: str, **labels) -> dict[tuple, float]:
+        return {k: v for k, v in self.samples.items()
+                if k[0] == name and all(dict(k[1]).get(a) == b for a, b in labels.items())}
+
+    def total(self, name: str) -> float:
+        return sum(self.values(name).values())
+
+
+@pytest.fixture(scope="module")
+def monitored_run(ray_cluster, tmp_path_factory):
+    """One tiny job, scraped while it runs: (scraper, driver stdout, logged epochs, train set size)."""
+    import contextlib
+    import io
+    import json
+
+    name = f"metrics-{uuid.uuid4().hex[:8]}"
+    storage = tmp_path_factory.mktemp("metrics")
+    cfg = parse_args(ARGS + ["--name", name, "--storage-path", str(storage)])
+    n_train = len(load_graph(cfg.data).train_idx)
+    out = io.StringIO()
+    with _Scraper(ray_cluster, name) as scraper:
+        with contextlib.redirect_stdout(out):
+            run(cfg)
+        # Counters of exited workers stay on the endpoint: wait for the final counts.
+        deadline = time.monotonic() + 60
+        while (scraper.total("gnnray_train_seeds_total") < EPOCHS * n_train
+               and time.monotonic() < deadline):
+            time.sleep(1)
+    logged = [json.loads(l) for l in (storage / name / "metrics.jsonl").read_text().splitlines()]
+    return scraper, out.getvalue(), logged, n_train
+
+
+def test_train_worker_metrics(monitored_run):
+    scraper, _, logged, n_train = monitored_run
+    steps = steps_per_epoch(n_train, BATCH, WORKERS)
+    ranks = {str(r) for r in range(WORKERS)}
+    seeds = scraper.values("gnnray_train_seeds_total")
+    assert {dict(k[1])["rank"] for k in seeds} == ranks
+    assert sum(seeds.values()) == EPOCHS * n_train  # every training node once per epoch, padding not counted
+    for rank in ranks:
+        for hist in ("gnnray_train_step_seconds", "gnnray_train_data_wait_seconds"):
+            (count,) = scraper.values(f"{hist}_count", rank=rank).values()
+            assert count == EPOCHS * steps, hist
+            buckets = sorted((float(dict(k[1])["le"]), v) for k, v in scraper.values(f"{hist}_bucket", rank=rank).items())
+            assert buckets[-1] == (math.inf, count) and all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
+        assert scraper.values("gnnray_train_epochs_completed", rank=rank) and \
+            max(scraper.values("gnnray_train_epochs_completed", rank=rank).values()) == EPOCHS
+    # The last values scraped are the last epoch's, as logged by rank 0 (reduced over ranks).
+    last = logged[-1]
+    for gauge, key in [("gnnray_train_loss", "loss"), ("gnnray_train_acc", "train_acc"), ("gnnray_val_acc", "val_acc"),
+                       ("gnnray_train_seeds_per_s", "seeds_per_s"), ("gnnray_train_data_wait_fraction", "data_wait")]:
+        (value,) = scraper.values(gauge, rank="0").values()
+        assert value == pytest.approx(last[key], rel=1e-6), gauge
+    assert 0 < last["loss"] < 10 and 0 <= last["val_acc"] <= 1 and 0 <= last["data_wait"] <= 1
+
+
+def test_sampler_actor_metrics(monitored_run):
+    scraper, _, _, n_train = monitored_run
+    batches = scraper.values("gnnray_sampler_minibatches_total")
+    assert 1 <= len(batches) <= 2  # one series per actor of the 1..2 pool
+    total = sum(batches.values())
+    assert total == EPOCHS * steps_per_epoch(n_train, BATCH, WORKERS) * WORKERS  # each training step's batch once
+    # Edges per mini-batch: more than one per seed, at most what the fanouts allow (input layer first).
+    per_batch = scraper.total("gnnray_sampler_edges_total") / total
+    most = BATCH * FANOUTS[1] + BATCH * (1 + FANOUTS[1]) * FANOUTS[0]
+    assert BATCH < per_batch <= most
+    rates = scraper.values("gnnray_sampler_minibatches_per_s")
+    edge_rates = scraper.values("gnnray_sampler_edges_per_s")
+    assert rates and all(v > 0 for v in rates.values())
+    assert sum(edge_rates.values()) > sum(rates.values())
+    assert all(len(dict(k[1])["actor"]) >= 16 for k in batches)  # tagged with the Ray actor id
+
+
+def test_driver_prints_eta_per_epoch(monitored_run):
+    _, out, logged, _ = monitored_run
+    lines = [l for l in out.splitlines() if l.startswith("epoch=")]
+    assert len(lines) == EPOCHS
+    first, last = lines
+    for key in ("loss=", "train_acc=", "val_acc=", "seeds_per_s=", "data_wait=", "epoch_time="):
+        assert key in first and key in last
+    eta = float(first.split(" eta=")[1].split("s")[0])
+    assert eta >= 0 and " eta=" not in last and " test_acc=" in last  # nothing left after the last epoch
+
+
+def test_epoch_line_eta_format():
+    m = dict(epoch=3, loss=0.5, train_acc=0.8, val_acc=0.7, seeds_per_s=1234.4, data_wait=0.25, epoch_time=12.34)
+    assert epoch_line(m) == ("epoch=3 loss=0.5000 train_acc=0.8000 val_acc=0.7000 seeds_per_s=1234 "
+                             "data_wait=0.25 epoch_time=12.3s")
+    assert epoch_line(m, 61.6).endswith(" epoch_time=12.3s eta=62s")
