@@ -44,8 +44,10 @@ batches' worth of nodes as training nodes (and 2 batches' worth as validation
 and test), so epochs are short while each batch costs what it costs on the
 full graph; it also takes fewer batches for figure 2.
 
-Numbers from a busy or small machine are noisy (30-40% between runs on the
-2-core machines these were written on): compare the ratios within one run.
+Wall-clock numbers are noisy on small machines (30-40% between runs on an
+idle 2-core machine, 2-3x when it is shared with other work): compare ratios
+within one run; the CPU-time and memory rows hardly move. The JSON records the
+load average around each stage.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -141,8 +144,11 @@ class Row:
 
 
 def error_row(figure: str, target: str, exc: BaseException) -> Row:
-    message = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:90]
-    return Row(figure, ours=f"error: {message}", target=target, met="error",
+    """A row showing the error's most telling line (a remote error's cause is at the end of its text)."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)]
+    message = causes[-1] if causes else f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return Row(figure, ours=f"error: {message[:70]}", target=target, met="error",
                detail={"error": traceback.format_exception(type(exc), exc, exc.__traceback__)})
 
 
@@ -213,7 +219,8 @@ def base_data_config(dataset: Optional[str]) -> DataConfig:
         return DataConfig(dataset=str(path), add_reverse_edges=True, random_features=128)
     if dataset not in (None, "synthetic"):
         raise SystemExit(f"--dataset {dataset}: no such directory")
-    print(f"{DEFAULT_DATASET} not found: using the arxiv-sized synthetic graph", flush=True)
+    if dataset is None:
+        print(f"{DEFAULT_DATASET} not found: using the arxiv-sized synthetic graph", flush=True)
     return DataConfig(dataset="synthetic", synthetic_nodes=169_343, synthetic_feat_dim=128, synthetic_classes=40)
 
 
@@ -274,14 +281,16 @@ def start_ray(s: Settings, verbose: bool) -> None:
 
 
 class StampedSamplerActor:
-    """``SamplerActor`` plus one column: when the actor started and finished each row.
+    """``SamplerActor`` plus one column: when the actor started and finished each row, and its CPU time.
 
     A consumer's arrival times over a run of a few seconds mostly show how
     fast it drains rows buffered while it started (it lags the actors by
     seconds at first here); the actors' own timestamps give their steady
-    rate, and the time inside the call (sampling + packing) against the time
-    between calls shows what Ray Data's per-row work and waiting cost. The
-    extra column is 24 bytes a row (start, end, actor pid).
+    rate, the time inside the call (sampling + packing) against the time
+    between calls shows what Ray Data's per-row work and waiting cost, and
+    the actor process's CPU time per row (all its threads, so Ray's too) is
+    the cost that does not depend on how busy the machine is. The extra
+    column is 32 bytes a row.
     """
 
     def __init__(self, graph, fanouts):
@@ -292,8 +301,21 @@ class StampedSamplerActor:
     def __call__(self, rows: dict) -> dict:
         start = time.time()
         out = self._actor(rows)
-        out["stamp"] = np.array([[start, time.time(), os.getpid()]])
+        out["stamp"] = np.array([[start, time.time(), os.getpid(), time.process_time()]])
         return out
+
+
+def cpu_ms_per_row(stamps: np.ndarray, warmup: int) -> float:
+    """Mean CPU ms an actor process spent per row after its first ``warmup`` rows (rows of ``stamps``)."""
+    per_actor = []
+    for pid in np.unique(stamps[:, 2]):
+        cpu = np.sort(stamps[stamps[:, 2] == pid, 3])
+        skip = min(warmup, len(cpu) // 2)
+        if len(cpu) - skip >= 2:
+            per_actor.append(((cpu[-1] - cpu[skip]) / (len(cpu) - 1 - skip), len(cpu)))
+    if not per_actor:
+        return float("nan")
+    return 1000 * sum(c * n for c, n in per_actor) / sum(n for _, n in per_actor)
 
 
 def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settings) -> list[Row]:
@@ -301,8 +323,9 @@ def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settin
 
     Baseline: ``Sampler(graph, fanouts).sample(seeds)`` in this process with
     torch and DGL limited to one thread, over exactly the seed batches the
-    pipeline gets (the first batches of ``seed_dataset``); run before and
-    after the pipelines and averaged, since the machine's load drifts.
+    pipeline gets (the first batches of ``seed_dataset`` over ``seed_ids``,
+    the full training split even with ``--quick``); run before and after the
+    pipelines and averaged, since the machine's load drifts.
 
     Ours: ``seed_dataset(...).map_batches(SamplerActor, compute=ActorPoolStrategy(size=k), num_cpus=1)``,
     read one row at a time as a train worker reads it, each row unpacked with
@@ -313,6 +336,10 @@ def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settin
     consumer must keep up for that rate to be the pipeline's: its unpack time
     and how far it lags the actors at the end are recorded. With k actors the
     per-actor rate (total / k) is compared.
+
+    A second row compares CPU time per batch (the actor process's against
+    the plain loop's): on a machine shared with other work, wall-clock rates
+    swing with the load, CPU time much less.
     """
     import ray.data
 
@@ -323,61 +350,63 @@ def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settin
     target = ">= 0.9x"
     batches, epochs = same_seed_batches(seed_ids, s, s.sampler_batches)
 
-    def plain_loop() -> float:
+    def plain_loop() -> dict:
         with threads(1):
             sampler = Sampler(graph, s.fanouts)
-            times = []
-            for seeds in batches:
+            times, cpu = [], 0.0
+            for i, seeds in enumerate(batches):
+                if i == s.sampler_warmup + 1:
+                    cpu = time.process_time()
                 sampler.sample(seeds)
                 times.append(time.perf_counter())
-        return steady_rate(times, s.sampler_warmup)
+        rate = steady_rate(times, s.sampler_warmup)
+        cpu_ms = 1000 * (time.process_time() - cpu) / (len(times) - 1 - s.sampler_warmup)
+        print(f"[2] plain loop, 1 thread: {rate:.1f} batches/s ({1000 / rate:.0f} ms/batch, {cpu_ms:.0f} ms of CPU)",
+              flush=True)
+        return dict(batches_per_s=rate, cpu_ms=cpu_ms)
 
-    base_rates = [plain_loop()]
-    print(f"[2] plain loop, 1 core: {base_rates[0]:.1f} batches/s ({1000 / base_rates[0]:.0f} ms/batch)", flush=True)
+    def pipeline(k: int) -> dict:
+        seeds_ds = seed_dataset(seed_ids, s.batch_size, 1, 0, epochs, s.seed).limit(len(batches))
+        ds = seeds_ds.map_batches(
+            StampedSamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=s.fanouts), batch_size=1,
+            batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=k), num_cpus=1)
+        start, stamps, arrived, unpack_s = time.time(), [], [], 0.0
+        for row in ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1):
+            t = time.perf_counter()
+            mb = MiniBatch.unpack(from_readonly(row["packed"][0]))
+            unpack_s += time.perf_counter() - t
+            assert mb.num_seeds > 0
+            arrived.append(time.time())
+            stamps.append(row["stamp"][0])
+        stamps = np.array(stamps)  # columns: started, finished, pid, actor CPU seconds
+        rate = steady_rate(sorted(stamps[:, 1]), s.sampler_warmup)
+        busy = 1000 * float(np.mean((stamps[:, 1] - stamps[:, 0])[s.sampler_warmup:]))
+        rows_by_actor = np.unique(stamps[:, 2], return_counts=True)[1].tolist()
+        m = dict(actors=k, batches=len(stamps), warmup=s.sampler_warmup, total_batches_per_s=rate,
+                 per_actor_batches_per_s=rate / k, rows_by_actor=rows_by_actor,
+                 in_call_ms=busy, between_calls_ms=1000 * len(rows_by_actor) / rate - busy,
+                 cpu_ms=cpu_ms_per_row(stamps, s.sampler_warmup), first_batch_done_s=float(stamps[:, 1].min() - start),
+                 consumer_lag_end_s=arrived[-1] - float(stamps[:, 1].max()), unpack_ms=1000 * unpack_s / len(stamps))
+        print(f"[2] pipeline k={k}: {rate:.1f} batches/s total, {rate / k:.1f} per actor (rows per actor: "
+              f"{m['rows_by_actor']}); in the actor {busy:.1f} ms/batch sampling+packing, "
+              f"{m['between_calls_ms']:.1f} ms between calls, {m['cpu_ms']:.0f} ms of CPU; first batch "
+              f"{m['first_batch_done_s']:.1f} s after start; consumer {m['consumer_lag_end_s']:.2f} s behind at "
+              f"the end; unpack {m['unpack_ms']:.2f} ms", flush=True)
+        return m
 
-    measured = []
+    plain = [plain_loop()]
+    measured = {}
     for k in (1, 2):
         try:
-            seeds_ds = seed_dataset(seed_ids, s.batch_size, 1, 0, epochs, s.seed).limit(len(batches))
-            ds = seeds_ds.map_batches(
-                StampedSamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=s.fanouts), batch_size=1,
-                batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=k), num_cpus=1)
-            start, done, busy, pids, arrived, unpack_s, nbytes = time.time(), [], [], [], [], 0.0, 0
-            for row in ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1):
-                t = time.perf_counter()
-                mb = MiniBatch.unpack(from_readonly(row["packed"][0]))
-                unpack_s += time.perf_counter() - t
-                assert mb.num_seeds > 0
-                arrived.append(time.time())
-                began, finished, pid = row["stamp"][0].tolist()
-                done.append(finished)
-                pids.append(int(pid))
-                busy.append(finished - began)
-                nbytes += row["packed"][0].nbytes
-            rate = steady_rate(sorted(done), s.sampler_warmup)
-            rows_by_actor = {pid: pids.count(pid) for pid in sorted(set(pids))}
-            measured.append((k, dict(
-                actors=k, batches=len(done), warmup=s.sampler_warmup, total_batches_per_s=rate,
-                per_actor_batches_per_s=rate / k, first_batch_done_s=min(done) - start,
-                in_call_ms=1000 * statistics.mean(busy[s.sampler_warmup:]),
-                between_calls_ms=1000 * (len(rows_by_actor) / rate - statistics.mean(busy[s.sampler_warmup:])),
-                consumer_lag_end_s=arrived[-1] - max(done), unpack_ms=1000 * unpack_s / len(done),
-                rows_by_actor=list(rows_by_actor.values()),
-                mean_packed_mib=nbytes / len(done) / 2**20)))
-            m = measured[-1][1]
-            print(f"[2] pipeline k={k}: {rate:.1f} batches/s total, {rate / k:.1f} per actor (rows per actor: "
-                  f"{m['rows_by_actor']}); in the actor "
-                  f"{m['in_call_ms']:.1f} ms/batch sampling+packing, {m['between_calls_ms']:.1f} ms between calls; "
-                  f"first batch {m['first_batch_done_s']:.1f} s after start; consumer "
-                  f"{m['consumer_lag_end_s']:.2f} s behind at the end; unpack {m['unpack_ms']:.2f} ms", flush=True)
+            measured[k] = pipeline(k)
         except Exception as exc:  # noqa: BLE001 - recorded in the table
-            measured.append((k, exc))
+            measured[k] = exc
+    plain.append(plain_loop())
+    base_rate = statistics.mean(p["batches_per_s"] for p in plain)
+    base_cpu = statistics.mean(p["cpu_ms"] for p in plain)
 
-    base_rates.append(plain_loop())
-    base_rate = statistics.mean(base_rates)
-    print(f"[2] plain loop again: {base_rates[1]:.1f} batches/s", flush=True)
     rows = []
-    for k, m in measured:
+    for k, m in measured.items():
         figure = f"sampler actor batches/s (k={k})"
         if isinstance(m, Exception):
             rows.append(error_row(figure, target, m))
@@ -386,7 +415,12 @@ def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settin
         ratio = per_actor / base_rate
         rows.append(Row(figure, ours=f"{per_actor:.1f} b/s" + (f" ({rate:.1f} total)" if k > 1 else ""),
                         baseline=f"{base_rate:.1f} b/s", ratio=f"{ratio:.2f}x", target=target,
-                        met=verdict(ratio >= 0.9), detail=dict(baseline_batches_per_s=base_rates, **m)))
+                        met=verdict(ratio >= 0.9), detail=dict(plain_loop=plain, **m)))
+    if isinstance(measured.get(1), dict):
+        ratio = base_cpu / measured[1]["cpu_ms"]
+        rows.append(Row("sampler CPU ms/batch (k=1; load-proof)", ours=f"{measured[1]['cpu_ms']:.1f} ms",
+                        baseline=f"{base_cpu:.1f} ms", ratio=f"{ratio:.2f}x", target=target,
+                        met=verdict(ratio >= 0.9), detail=dict(plain_loop=plain, actor_cpu_ms=measured[1]["cpu_ms"])))
     return rows
 
 
@@ -416,6 +450,8 @@ def run_job(data: DataConfig, s: Settings, workdir: Path) -> tuple[list[dict], d
     from gnnray.config import JobConfig
 
     d = JobConfig()
+    # Final accuracies are not measured here: skip the layer-wise inference pass after training.
+    final_eval = {"eval": "sampled"} if "eval" in {f.name for f in dataclasses.fields(d.train)} else {}
     cfg = dataclasses.replace(
         d,
         data=data,
@@ -424,7 +460,7 @@ def run_job(data: DataConfig, s: Settings, workdir: Path) -> tuple[list[dict], d
         model=dataclasses.replace(d.model, hidden=s.hidden, dropout=s.dropout),
         train=dataclasses.replace(d.train, epochs=s.epochs, lr=s.lr, num_workers=s.workers,
                                   cpus_per_worker=float(s.trainer_cpus), use_gpu=torch.cuda.is_available(),
-                                  seed=s.seed),
+                                  seed=s.seed, **final_eval),
         run=dataclasses.replace(d.run, name="bench", storage_path=str(workdir / "runs"), max_failures=0),
     )
     threads_file = workdir / "worker-threads.json"
@@ -462,7 +498,7 @@ def dgl_baseline(graph: Graph, s: Settings) -> dict:
                                             dgl.dataloading.NeighborSampler(list(s.fanouts)),
                                             batch_size=s.batch_size, shuffle=True, drop_last=False)
         model.train()
-        step, seeds, start = 0, 0, time.perf_counter()
+        step, seeds, start, cpu = 0, 0, time.perf_counter(), time.process_time()
         while step < s.baseline_warmup + s.baseline_steps:
             for input_nodes, output_nodes, blocks in loader:
                 x, y = feat[input_nodes].to(device), label[output_nodes].to(device)
@@ -473,14 +509,17 @@ def dgl_baseline(graph: Graph, s: Settings) -> dict:
                 opt.step()
                 step += 1
                 if step == s.baseline_warmup:
-                    start, seeds = time.perf_counter(), 0
+                    start, seeds, cpu = time.perf_counter(), 0, time.process_time()
                 elif step > s.baseline_warmup:
                     seeds += int(output_nodes.shape[0])
                 if step == s.baseline_warmup + s.baseline_steps:
                     break
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    # cpu_share < 1: the machine's other load took cores from the loop (a multi-process job gets more of
+    # a contended machine than one process does, which favours ours: compare on an idle machine).
     return dict(seeds_per_s=seeds / elapsed, steps=s.baseline_steps, warmup=s.baseline_warmup,
-                step_s=elapsed / s.baseline_steps, threads=s.cores, device=str(device))
+                step_s=elapsed / s.baseline_steps, threads=s.cores, device=str(device),
+                cpu_share=cpu / elapsed / s.cores)
 
 
 def bench_training(data: DataConfig, graph: Graph, s: Settings, workdir: Path) -> list[Row]:
@@ -490,7 +529,8 @@ def bench_training(data: DataConfig, graph: Graph, s: Settings, workdir: Path) -
     rows, baselines = [], []
     try:
         baselines.append(dgl_baseline(graph, s))
-        print(f"[3] DGL DataLoader loop: {baselines[0]['seeds_per_s']:.0f} seeds/s", flush=True)
+        print(f"[3] DGL DataLoader loop: {baselines[0]['seeds_per_s']:.0f} seeds/s (it got "
+              f"{100 * baselines[0]['cpu_share']:.0f}% of {s.cores} cores)", flush=True)
     except Exception as exc:  # noqa: BLE001 - tried again after the job
         baselines.append(exc)
     try:
@@ -506,7 +546,8 @@ def bench_training(data: DataConfig, graph: Graph, s: Settings, workdir: Path) -
         return [error_row(wait_fig, wait_target, exc), error_row(tput_fig, tput_target, exc)]
     try:
         baselines.append(dgl_baseline(graph, s))
-        print(f"[3] DGL DataLoader loop again: {baselines[-1]['seeds_per_s']:.0f} seeds/s", flush=True)
+        print(f"[3] DGL DataLoader loop again: {baselines[-1]['seeds_per_s']:.0f} seeds/s (it got "
+              f"{100 * baselines[-1]['cpu_share']:.0f}% of {s.cores} cores)", flush=True)
         good = [b for b in baselines if not isinstance(b, Exception)]
         base = statistics.mean(b["seeds_per_s"] for b in good)
         ratio = ours / base
@@ -606,8 +647,9 @@ def bench_memory(graph: Graph, handle, s: Settings) -> list[Row]:
                 idle = ray.get([p.usage.remote() for p in probes])
                 points, held, buffers = [], 0, []
                 for n in s.memory_processes:
-                    buffers += ray.get([p.hold.remote(handle, copy, s.fanouts, s.batch_size, s.memory_batches, s.seed + i)
-                             for i, p in enumerate(probes[held:n], start=held)])
+                    buffers += ray.get([
+                        p.hold.remote(handle, copy, s.fanouts, s.batch_size, s.memory_batches, s.seed + i)
+                        for i, p in enumerate(probes[held:n], start=held)])
                     held = n
                     now = ray.get([p.usage.remote() for p in probes[:n]])
                     uss = sum(a[0] - b[0] for a, b in zip(now, idle)) / 2**20
@@ -755,7 +797,7 @@ def settings_for(args) -> Settings:
     cores = args.cores or os.cpu_count() or 1
     s = Settings(quick=args.quick, cores=cores, workers=args.workers)
     if args.quick:
-        s = dataclasses.replace(s, sampler_batches=80, sampler_warmup=5, epochs=3, baseline_warmup=2,
+        s = dataclasses.replace(s, sampler_batches=120, sampler_warmup=5, epochs=3, baseline_warmup=2,
                                 baseline_steps=18, memory_batches=2)
     return s
 
@@ -766,18 +808,26 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="fewer batches and epochs, short epochs (~3 minutes)")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write all results")
     p.add_argument("--dataset", default=None,
-                   help=f"graph directory, or 'synthetic' (default: {DEFAULT_DATASET}, else synthetic)")
-    p.add_argument("--cores", type=int, default=None, help="physical cores both sides get (default: all)")
+                   help=f"graph directory, or 'synthetic' (when not given: {DEFAULT_DATASET} if present, else "
+                   "synthetic)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="cores both sides of figure 3 use: the DGL loop's threads, the train workers' CPUs (when "
+                   "not given: all)")
     p.add_argument("--workers", type=int, default=1, help="Ray Train workers for figures 1 and 3")
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
     return p.parse_args(argv)
 
 
 def guarded(figure: str, fn: Callable[[], list]) -> list[Row]:
+    """Run one stage; its rows get the stage's wall time and the machine's load around it (noise)."""
+    load, start = os.getloadavg()[0], time.perf_counter()
     try:
-        return fn()
+        rows = fn()
     except Exception as exc:  # noqa: BLE001 - a failing stage must not hide the others
-        return [error_row(figure, "", exc)]
+        rows = [error_row(figure, "", exc)]
+    for r in rows:
+        r.detail.update(stage_s=time.perf_counter() - start, load_avg_1min=(load, os.getloadavg()[0]))
+    return rows
 
 
 def main(argv=None) -> int:

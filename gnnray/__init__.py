@@ -16,5 +16,8 @@ module              runs on                output
 ==================  =====================  ===================================================
 
 ``job`` is the driver that wires them; ``checkpoint`` reads and writes
-checkpoints; ``errors`` holds the user-facing exceptions.
+checkpoints; ``errors`` holds the user-facing exceptions. ``embedding`` is the
+learnable node input of ``--embedding-dim`` (train worker); ``inference`` is
+layer-wise full-neighbor prediction after training and in ``jobs/predict.py``
+(driver, Ray Data actors).
 """

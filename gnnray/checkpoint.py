@@ -5,7 +5,12 @@ validation accuracy, node embeddings and their optimizer if any) and
 ``meta.json`` (epoch, metrics, ``state.pt``'s size and the job configuration).
 ``meta.json`` is written last, each file through a temporary name and an atomic
 rename, so a crash mid-write leaves a directory without a valid ``meta.json``:
-:func:`latest_valid` skips it and resume falls back to the previous one.
+:func:`latest_valid` skips it and resume falls back to the previous one. Ray
+Train then copies the directory into storage file by file (not atomically);
+``meta.json`` records ``state.pt``'s size, so a torn copy is caught the same way.
+A checkpoint whose files are complete but whose ``state.pt`` does not load or
+lacks a key is *corrupt* (:func:`corrupt_reason`): it is skipped too, and the
+driver stops rather than start over when no older good one is left.
 
 The driver, not the worker, chooses the checkpoint because the seed stream it
 builds must start at the epoch after the one the model resumes from.
@@ -16,12 +21,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+# What a resume needs from state.pt (``embedding`` too when the run learns embeddings).
+REQUIRED_KEYS = ("model", "optimizer", "epoch", "best_val_acc")
 
 
 @dataclass(frozen=True)
@@ -93,12 +100,41 @@ def read_info(directory: str) -> Optional[CheckpointInfo]:
         return None
 
 
-def latest_valid(run_dir: str) -> tuple[Optional[CheckpointInfo], list[str]]:
+def corrupt_reason(directory: str, extra_keys: Sequence[str] = ()) -> Optional[str]:
+    """Why a checkpoint whose files are complete cannot be resumed from, or ``None``.
+
+    Loads ``state.pt`` and checks that it holds :data:`REQUIRED_KEYS` and
+    ``extra_keys``. A checkpoint that is merely incomplete (see
+    :func:`read_info`) also gives ``None``: only a complete one can be corrupt.
+    """
+    info = read_info(directory)
+    if info is None:
+        return None
+    try:
+        state = load_state(directory)
+    except Exception as exc:  # torch.load raises many types on damaged files
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"{STATE_FILE} does not load ({type(exc).__name__}: {first})"
+    if not isinstance(state, dict):
+        return f"{STATE_FILE} holds a {type(state).__name__}, not a dict"
+    missing = [k for k in (*REQUIRED_KEYS, *extra_keys) if k not in state]
+    if missing:
+        return f"{STATE_FILE} lacks {', '.join(map(repr, missing))}"
+    if state["epoch"] != info.epoch:
+        return f"{STATE_FILE} is of epoch {state['epoch']} but {META_FILE} says {info.epoch}"
+    return None
+
+
+def latest_valid(run_dir: str, extra_keys: Sequence[str] = ()) -> tuple[Optional[CheckpointInfo], list[str]]:
     """Find the newest valid checkpoint of a run.
 
+    Complete checkpoints are tried newest first (highest epoch, then name:
+    Ray names them by time) until one passes :func:`corrupt_reason` (with
+    ``extra_keys``), so a corrupt newest one falls back to the one before.
+
     Returns:
-        The checkpoint with the highest epoch (``None`` if none is valid) and
-        the checkpoint directories that were skipped as incomplete or corrupt.
+        The newest valid checkpoint (``None`` if none is) and the checkpoint
+        directories that were skipped as incomplete or corrupt.
     """
     if not os.path.isdir(run_dir):
         return None, []
@@ -109,8 +145,11 @@ def latest_valid(run_dir: str) -> tuple[Optional[CheckpointInfo], list[str]]:
             continue
         info = read_info(path)
         (found.append(info) if info else bad.append(path))
-    best = max(found, key=lambda c: c.epoch, default=None)
-    return best, bad
+    for info in sorted(found, key=lambda c: (c.epoch, c.path), reverse=True):
+        if corrupt_reason(info.path, extra_keys) is None:
+            return info, bad
+        bad.append(info.path)
+    return None, bad
 
 
 def _atomic_write(path: str, write) -> None:

@@ -42,7 +42,7 @@ import os
 import sys
 import zipfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -83,6 +83,7 @@ class _Parts:
     label: np.ndarray
     splits: dict
     no_feat: str = ""  # where features were looked for, for the error message
+    origins: dict = field(default_factory=dict)  # "feat"/"label": the file and column read, named by validate
 
 
 def load_graph(cfg: DataConfig) -> Graph:
@@ -119,6 +120,8 @@ def load_graph(cfg: DataConfig) -> Graph:
         parts = _read_graph_dir(path)
 
     parts.feat = _features(parts, cfg, source)
+    if cfg.random_features > 0:
+        parts.origins.pop("feat", None)
     if cfg.normalize_features:
         # Row L1 normalisation, as PyG's NormalizeFeatures and the GCN paper's
         # preprocessing of bag-of-words graphs (cora, citeseer, pubmed).
@@ -132,23 +135,25 @@ def load_graph(cfg: DataConfig) -> Graph:
     else:
         parts.src, parts.dst = _transform_edges(parts.src, parts.dst, parts.num_nodes, False, cfg.add_self_loops)
         graph = _build(parts)
-    validate(graph, source)
+    validate(graph, source, parts.origins)
     return graph
 
 
-def validate(graph: Graph, source: str) -> None:
+def validate(graph: Graph, source: str, origins: Optional[dict] = None) -> None:
     """Check that ``graph`` is consistent; every later stage relies on it.
 
     Args:
         graph: The graph to check.
         source: File path or dataset name, named in the error.
+        origins: Where ``feat`` and ``label`` were read (``"FILE: column 'x'"``),
+            named instead of ``source`` in errors about them.
 
     Raises:
         DatasetError: The first problem found (dtypes, CSC structure, features,
             labels or splits).
     """
-    def fail(problem: str) -> None:
-        raise DatasetError(f"{source}: {problem}")
+    def fail(problem: str, array: str = "") -> None:
+        raise DatasetError(f"{(origins or {}).get(array, source)}: {problem}")
 
     for name in ("indptr", "indices", "label", "train_idx", "valid_idx", "test_idx"):
         a = getattr(graph, name)
@@ -178,7 +183,7 @@ def validate(graph: Graph, source: str) -> None:
     # without a (num_nodes, feat_dim) temporary.
     bad_rows = np.count_nonzero(~np.isfinite(feat.sum(axis=1, dtype=np.float64)))
     if bad_rows:
-        fail(f"{bad_rows} feature rows contain NaN or infinite values; clean or impute them")
+        fail(f"{bad_rows} feature rows contain NaN or infinite values; clean or impute them", "feat")
 
     if graph.num_classes < 2:
         fail(f"num_classes is {graph.num_classes}; node classification needs at least 2")
@@ -200,10 +205,11 @@ def validate(graph: Graph, source: str) -> None:
         lab = graph.label[idx]
         missing = np.count_nonzero(lab == -1)
         if missing:
-            fail(f"{missing} nodes of the {name} split have no label (-1); label them or move them to split 'none'")
+            fail(f"{missing} nodes of the {name} split have no label (-1); label them or move them to split "
+                 "'none'", "label")
         if np.any(lab < 0) or np.any(lab >= graph.num_classes):
             fail(f"labels of the {name} split must be in [0, num_classes={graph.num_classes}), "
-                 f"found {lab.min()}..{lab.max()}")
+                 f"found {lab.min()}..{lab.max()}", "label")
 
 
 def make_synthetic(num_nodes: int, num_classes: int, feat_dim: int, avg_degree: int, seed: int) -> Graph:
@@ -526,6 +532,7 @@ def _read_graph_dir(path: Path) -> _Parts:
         name=str(meta.get("name", path.name)), num_nodes=n, num_classes=meta["num_classes"],
         src=src, dst=dst, feat=feat, label=label, splits=splits,
         no_feat=f"{nodes_file} has no column 'feat'",
+        origins={"feat": f"{nodes_file}: column 'feat'", "label": f"{nodes_file}: column 'label'"},
     )
 
 

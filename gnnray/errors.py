@@ -15,3 +15,7 @@ class DatasetError(GnnrayError, ValueError):
 
 class ClusterError(GnnrayError, RuntimeError):
     """The Ray cluster cannot provide what the job asks for."""
+
+
+class CheckpointError(GnnrayError, RuntimeError):
+    """A run's checkpoints cannot be resumed from (corrupt, and no older good one)."""

@@ -145,20 +145,34 @@ class _LayerActor:
         else:
             inputs = [np.load(input_path, mmap_mode="r")]
         self._runner = LayerRunner(g, ray.get(model[0]), layer, inputs)
-        self._out = np.load(output_path, mmap_mode="r+") if output_path else None
+        self._out = output_path
+        if output_path:  # where row 0 starts: after the .npy header
+            self._offset = np.load(output_path, mmap_mode="r").offset
         self._with_embeddings = with_embeddings
 
     def __call__(self, batch: dict) -> dict:
         ids = np.asarray(batch["id"], dtype=np.int64)
         h, x = self._runner(ids)
         if self._out is not None:
-            self._out[ids] = h.numpy()
-            self._out.flush()  # visible to the next layer's actors, also through a shared file system
+            self._write(ids, np.ascontiguousarray(h.numpy(), dtype=np.float32))
             return {"rows": np.array([len(ids)], dtype=np.int64)}
         out = {"id": ids, "pred": h.argmax(1).numpy().astype(np.int64)}
         if self._with_embeddings:
             out["embedding"] = np.ascontiguousarray(x, dtype=np.float32)
         return out
+
+    def _write(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Write ``rows`` at rows ``ids`` of the output file, one ``pwrite`` per run of consecutive ids.
+
+        Plain writes and a close, not a writable memory map: on a shared file
+        system the data is on the server once ``close`` returns, before the
+        next layer's actors open the file.
+        """
+        starts = np.flatnonzero(np.r_[True, np.diff(ids) != 1])
+        ends = np.r_[starts[1:], len(ids)]
+        with open(self._out, "r+b") as f:
+            for a, b in zip(starts.tolist(), ends.tolist()):
+                os.pwrite(f.fileno(), memoryview(rows[a:b]).cast("B"), self._offset + int(ids[a]) * rows[0].nbytes)
 
 
 def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding: Optional[np.ndarray] = None,
@@ -265,7 +279,8 @@ def _consume_predictions(ds, graph: Graph, output: Optional[str]) -> tuple[dict,
         code[graph.split(name)] = value
     correct, total = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64)
     writer, tmp_out, rows = None, None, 0
-    with _preserve_order(), contextlib.ExitStack() as stack:
+    ds.context.execution_options.preserve_order = True  # rows in node id order (this dataset only)
+    with contextlib.ExitStack() as stack:
         for b in ds.iter_batches(batch_size=None, batch_format="numpy"):
             ids, pred = b["id"], b["pred"]
             c = code[ids]
@@ -296,20 +311,6 @@ def _table(batch: dict):
         e = np.ascontiguousarray(batch["embedding"], dtype=np.float32)
         columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(e.reshape(-1)), e.shape[1])
     return pa.table(columns)
-
-
-@contextlib.contextmanager
-def _preserve_order():
-    """Rows in node id order (the output file reads naturally), for this job only."""
-    import ray.data
-
-    options = ray.data.DataContext.get_current().execution_options
-    saved = options.preserve_order
-    options.preserve_order = True
-    try:
-        yield
-    finally:
-        options.preserve_order = saved
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -364,14 +365,14 @@ def _checkpoint_config(path: str):
         info, _ = checkpoint.latest_valid(path)
     if info is None:
         raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected a directory with state.pt "
-                            "and meta.json, or a run directory STORAGE_PATH/NAME holding checkpoint_* directories)")
+                          "and meta.json, or a run directory STORAGE_PATH/NAME holding checkpoint_* directories)")
     meta = checkpoint.read_meta(info.path)
     if "config" not in meta:
         raise ConfigError(f"--checkpoint {info.path}: it stores no job configuration (written by an older "
-                            "gnnray); retrain, or call gnnray.inference.run with the model yourself")
+                          "gnnray); retrain, or call gnnray.inference.run with the model yourself")
     if meta["config"].get("custom_model"):
         raise ConfigError(f"--checkpoint {info.path}: trained with a custom model factory that predict.py cannot "
-                            "rebuild; call gnnray.inference.load_model with it and gnnray.inference.run")
+                          "rebuild; call gnnray.inference.load_model with it and gnnray.inference.run")
     return from_dict(meta["config"]), info.path
 
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from gnnray import checkpoint
+from gnnray import checkpoint, cluster
 from gnnray.config import JobConfig, parse_args
-from gnnray.errors import ClusterError, ConfigError, GnnrayError
+from gnnray.errors import CheckpointError, ClusterError, ConfigError, GnnrayError
 from gnnray.graph_store import Graph, GraphHandle, publish
 from gnnray.train_loop import ModelFactory, WorkerSetup, train_loop
 
@@ -88,14 +88,13 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
           f"{len(graph.test_idx):,}, {graph.nbytes / 2**20:.1f} MiB", flush=True)
     local = _init_ray(cfg)
     use_gpu = _resolve_gpu(cfg, local)
+    cluster.check_object_store(graph.nbytes, cluster.nodes())
     handle = publish(graph)  # this process owns the graph: it must outlive the workers
     graph = handle.get()  # views on the store from here on: the loading copy is freed
 
     restarts = 0
     while True:
-        latest, bad = checkpoint.latest_valid(run_dir)
-        for path in bad:
-            print(f"warning: skipping incomplete or corrupt checkpoint {path}", flush=True)
+        latest = _resume_point(cfg, run_dir)
         if latest and latest.epoch + 1 >= cfg.train.epochs:
             print(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
                   "(use a new --name, or more --epochs to continue)", flush=True)
@@ -166,6 +165,9 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
         compute=ray.data.ActorPoolStrategy(min_size=cfg.sampler.actors_min, max_size=cfg.sampler.actors_max),
         num_cpus=cfg.sampler.cpus_per_actor,
     )
+    # One mini-batch per block: Ray Data would otherwise coalesce rows into
+    # blocks of up to 128 MiB (~40 batches), which reach a worker in bursts.
+    minibatches.context.target_max_block_size = 1
     # Order kept so each rank's steps follow the epochs in sequence; Ray
     # Train splits with equal=True, so every rank gets the same row count.
     options = ray.data.ExecutionOptions(preserve_order=True)
@@ -181,8 +183,10 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
             storage_path=cfg.run.storage_path,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             # Restarts are the driver's (see run): the seed stream must restart
-            # at the checkpoint's epoch, which only a new dataset can do.
-            failure_config=ray.train.FailureConfig(max_failures=0),
+            # at the checkpoint's epoch, which only a new dataset can do. That
+            # includes node preemptions, which Ray Train would otherwise retry
+            # itself, from the attempt's first epoch.
+            failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
         ),
         datasets={"train": minibatches},
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"], execution_options=options),
@@ -251,6 +255,30 @@ def epoch_line(m: dict, eta_s: Optional[float] = None) -> str:
     return line + (f" test_acc={m['test_acc']:.4f}" if "test_acc" in m else "")
 
 
+def _resume_point(cfg: JobConfig, run_dir: str) -> Optional[checkpoint.CheckpointInfo]:
+    """The newest valid checkpoint of the run (``None``: start fresh), saying which ones were skipped and why.
+
+    Raises:
+        CheckpointError: Only corrupt checkpoints are left: starting over would
+            silently discard the run, so the user decides.
+    """
+    extra = ("embedding",) if cfg.data.embedding_dim else ()
+    latest, bad = checkpoint.latest_valid(run_dir, extra)
+    corrupt = {}
+    for path in bad:
+        reason = checkpoint.corrupt_reason(path, extra)
+        if reason:
+            corrupt[path] = reason
+        print(f"warning: skipping {'corrupt' if reason else 'incomplete'} checkpoint {path} "
+              f"({reason or 'partly written: a crash while it was saved'})", flush=True)
+    if latest is None and corrupt:
+        path, reason = max(corrupt.items())
+        raise CheckpointError(f"run {cfg.run.name!r} cannot resume: checkpoint {path} is corrupt ({reason}) and no "
+                              f"older good one is left; delete the run's checkpoint_* directories to start it "
+                              f"over, or use a new --name")
+    return latest
+
+
 def _summary(info: checkpoint.CheckpointInfo, restarts: int) -> Summary:
     m = info.metrics
     return Summary(float(m["best_val_acc"]), float(m.get("test_acc", float("nan"))), info.path, m, restarts)
@@ -296,23 +324,48 @@ def _init_ray(cfg: JobConfig) -> bool:
 
 
 def _resolve_gpu(cfg: JobConfig, local: bool) -> bool:
-    import ray
-
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if cfg.train.use_gpu and gpus < cfg.train.num_workers:
-        if local:
-            raise ClusterError(f"--use-gpu yes with --num-workers {cfg.train.num_workers} needs "
-                               f"{cfg.train.num_workers} GPUs; this machine has {gpus:g}")
-        print(f"waiting for {cfg.train.num_workers} GPUs (the cluster has {gpus:g} now; an autoscaler may add "
-              "more)", flush=True)
-    return bool(cfg.train.use_gpu if cfg.train.use_gpu is not None else gpus >= 1)
+    """Whether to train on GPUs; raises :class:`ClusterError` if a fixed-size cluster can never run the job."""
+    nodes = cluster.nodes()
+    use_gpu = bool(cfg.train.use_gpu if cfg.train.use_gpu is not None else sum(n.gpus for n in nodes) >= 1)
+    try:
+        cluster.check_resources(cfg, use_gpu, nodes)
+    except ClusterError as e:
+        if local or not cluster.autoscaling():
+            raise
+        print(f"waiting for the autoscaler to add nodes: {e}", flush=True)
+    return use_gpu
 
 
 def _one_line(e: BaseException) -> str:
+    """The failure in one line: the first failed rank's error, and its node when its process died or went silent."""
     failures = getattr(e, "worker_failures", None)
     if failures:
         rank, err = sorted(failures.items())[0]
         lines = [l for l in str(err).strip().splitlines() if l.strip()]
-        return f"rank {rank}: {lines[-1] if lines else type(err).__name__}"
+        return f"rank {rank}{_node_of(err)}: {lines[-1] if lines else type(err).__name__}"
     lines = [l for l in str(e).strip().splitlines() if l.strip()]
     return lines[-1] if lines else type(e).__name__
+
+
+def _node_of(err: BaseException) -> str:
+    """`` on node IP (ID)`` of a worker whose actor died or became unreachable, so a lost node is named.
+
+    Ray Train notices a lost node by a failed health check of its workers,
+    seconds before Ray marks the node dead, so the node is looked up through
+    the worker's actor rather than the list of dead nodes.
+    """
+    import ray
+    import ray.exceptions
+
+    cause = getattr(err, "health_check_failure", None) or err
+    actor_id = getattr(cause, "actor_id", None) if isinstance(cause, ray.exceptions.RayActorError) else None
+    if not actor_id:
+        return ""
+    try:
+        import ray._private.state
+
+        node_id = ray._private.state.actors(actor_id)["Address"]["NodeID"]
+        ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
+    except Exception:  # best effort: the message stays useful without it
+        return ""
+    return f" on node {ip} ({node_id[:8]})"

@@ -27,9 +27,10 @@ name                                        kind       meaning
 ``gnnray_sampler_batch_seconds``            histogram  time to sample and pack one mini-batch
 ==========================================  =========  ==================================================
 
-The per-epoch gauges hold the values of the driver's epoch line, which are
-reduced over all ranks (every rank exports the same value); the step histograms
-and the seeds counter are each rank's own. A sampler's rate gauges count the
+The per-epoch gauges hold the values of the driver's epoch line: loss,
+accuracies and data-wait fraction are reduced over all ranks (every rank
+exports the same value), seeds per second is all ranks' seeds over the rank's
+own epoch time; the step histograms and the seeds counter are each rank's own. A sampler's rate gauges count the
 time between its calls too, so they show what it delivers;
 ``gnnray_sampler_batch_seconds`` shows what it could deliver.
 """

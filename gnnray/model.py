@@ -91,10 +91,30 @@ class GAT(_LayeredGNN):
         self.dropout = nn.Dropout(dropout)
 
     def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        h = self.layers[i](block, h)  # (dst nodes, heads, out)
+        h = self.layers[i](_with_edge_ids(block), h)  # (dst nodes, heads, out)
         if i < self.num_layers - 1:
             return self.dropout(nn.functional.elu(h.flatten(1)))
         return h.mean(1)
+
+
+def _with_edge_ids(block):
+    """``block`` with explicit edge ids if it was built from CSC arrays without them.
+
+    DGL 2.1's libxsmm CPU kernel for messages that read edge data (GAT's
+    attention weights) fails with "Check notnull: edges" on such blocks, as
+    ``MiniBatch.blocks`` builds them; edge ids ``0..nnz-1`` are what the
+    missing ids stand for.
+    """
+    import dgl
+
+    if not block.is_block or block.num_edges() == 0:
+        return block
+    indptr, indices, eids = block.adj_tensors("csc")
+    if eids.numel() == indices.numel():
+        return block
+    return dgl.create_block(("csc", (indptr, indices, torch.arange(indices.numel(), device=indices.device))),
+                            num_src_nodes=block.num_src_nodes(), num_dst_nodes=block.num_dst_nodes(),
+                            device=indices.device)
 
 
 class GCN(_LayeredGNN):

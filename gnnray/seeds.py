@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+_ROWS_PER_BLOCK = 2
+
 
 def steps_per_epoch(num_seeds: int, batch_size: int, num_workers: int) -> int:
     """Optimizer steps each rank takes per epoch."""
@@ -45,7 +47,10 @@ def seed_dataset(train_idx: np.ndarray, batch_size: int, num_workers: int, first
         raise ValueError(f"first_epoch {first_epoch} must be in [0, {num_epochs})")
     rows_per_epoch = steps_per_epoch(len(train_idx), batch_size, num_workers) * num_workers
     epochs = num_epochs - first_epoch
-    ds = ray.data.range(epochs * rows_per_epoch, override_num_blocks=epochs)
+    # Blocks of a few rows: the actor pool hands out whole blocks, so one
+    # block per epoch would leave all but one sampler actor idle.
+    rows = epochs * rows_per_epoch
+    ds = ray.data.range(rows, override_num_blocks=max(1, rows // _ROWS_PER_BLOCK))
     return ds.map_batches(
         _seed_rows,
         batch_format="numpy",

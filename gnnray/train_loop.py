@@ -114,6 +114,7 @@ def train_loop(config: dict) -> None:
             metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=setup.restarts)
             if epoch == cfg.train.epochs - 1:
                 metrics["test_acc"] = evaluator.accuracy(model, "test")
+            metrics["worker_uss_mb"] = _max_private_memory_mb(device)
             exported.epoch(epoch, metrics)
             _report(metrics, model, optimizer, rank, setup.metrics_log, embedding, _saved_config(setup))
 
@@ -193,6 +194,29 @@ def _saved_config(setup: WorkerSetup) -> dict:
     return {**dataclasses.asdict(setup.cfg), "custom_model": setup.model_factory is not None}
 
 
+def _max_private_memory_mb(device) -> float:
+    """The largest private memory (USS, MiB) of the ranks' processes; flat over epochs in a healthy run.
+
+    USS leaves out the node-shared graph, so it shows what each process holds
+    by itself (``worker_uss_mb`` in the metrics). Free memory the C allocator
+    keeps is handed back first (glibc ``malloc_trim``): it is not growth, and
+    returning it once an epoch is cheap.
+    """
+    import ctypes
+
+    import psutil
+    import torch.distributed as dist
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    uss = torch.tensor(psutil.Process().memory_full_info().uss / 2**20, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(uss, op=dist.ReduceOp.MAX)
+    return float(uss)
+
+
 def _report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str],
             embedding: Optional[NodeEmbedding] = None, config: Optional[dict] = None) -> None:
     import ray.train
@@ -200,10 +224,13 @@ def _report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[st
     if rank != 0:
         ray.train.report(metrics)
         return
+    # The log line goes first: a crash between the two then repeats the
+    # epoch's line after the restart, rather than losing it while its
+    # checkpoint exists.
+    if metrics_log:
+        with open(metrics_log, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"embedding": embedding.state_dict()} if embedding else None
         checkpoint.save(tmp, getattr(model, "module", model), optimizer, metrics, extra=extra, config=config)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-    if metrics_log:
-        with open(metrics_log, "a") as f:
-            f.write(json.dumps(metrics) + "\n")

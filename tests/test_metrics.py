@@ -18,7 +18,7 @@ from gnnray.seeds import steps_per_epoch
 EPOCHS, WORKERS, BATCH, FANOUTS = 2, 2, 128, (5, 5)
 ARGS = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts",
         ",".join(map(str, FANOUTS)), "--batch-size", str(BATCH), "--hidden", "32", "--num-workers", str(WORKERS),
-        "--sampler-actors", "1,2", "--epochs", str(EPOCHS)]
+        "--sampler-actors", "1,2", "--epochs", str(EPOCHS), "--eval", "sampled"]
 
 
 class _Scraper:
@@ -87,10 +87,14 @@ def monitored_run(ray_cluster, tmp_path_factory):
     with _Scraper(ray_cluster, name) as scraper:
         with contextlib.redirect_stdout(out):
             run(cfg)
-        # Counters of exited workers stay on the endpoint: wait for the final counts.
+        # Metrics reach the endpoint some seconds after they are recorded: wait for the last epoch's (the
+        # epoch gauge is set last, after the other gauges of that epoch) and the final counts.
         deadline = time.monotonic() + 60
-        while (scraper.total("gnnray_train_seeds_total") < EPOCHS * n_train
-               and time.monotonic() < deadline):
+        while time.monotonic() < deadline and not (
+                scraper.total("gnnray_train_seeds_total") >= EPOCHS * n_train
+                and sorted(scraper.values("gnnray_train_epochs_completed").values()) == [EPOCHS] * WORKERS
+                and scraper.total("gnnray_sampler_minibatches_total")
+                >= EPOCHS * steps_per_epoch(n_train, BATCH, WORKERS) * WORKERS):
             time.sleep(1)
     logged = [json.loads(l) for l in (storage / name / "metrics.jsonl").read_text().splitlines()]
     return scraper, out.getvalue(), logged, n_train
@@ -109,8 +113,7 @@ def test_train_worker_metrics(monitored_run):
             assert count == EPOCHS * steps, hist
             buckets = sorted((float(dict(k[1])["le"]), v) for k, v in scraper.values(f"{hist}_bucket", rank=rank).items())
             assert buckets[-1] == (math.inf, count) and all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:]))
-        assert scraper.values("gnnray_train_epochs_completed", rank=rank) and \
-            max(scraper.values("gnnray_train_epochs_completed", rank=rank).values()) == EPOCHS
+        assert list(scraper.values("gnnray_train_epochs_completed", rank=rank).values()) == [EPOCHS]
     # The last values scraped are the last epoch's, as logged by rank 0 (reduced over ranks).
     last = logged[-1]
     for gauge, key in [("gnnray_train_loss", "loss"), ("gnnray_train_acc", "train_acc"), ("gnnray_val_acc", "val_acc"),
@@ -146,6 +149,23 @@ def test_driver_prints_eta_per_epoch(monitored_run):
         assert key in first and key in last
     eta = float(first.split(" eta=")[1].split("s")[0])
     assert eta >= 0 and " eta=" not in last and " test_acc=" in last  # nothing left after the last epoch
+
+
+def test_epoch_printer_eta(tmp_path, capsys):
+    """Before a second line arrives, the ETA is the epochs left times rank 0's epoch time; none after the last."""
+    import json
+
+    from gnnray.job import _EpochPrinter
+
+    log = tmp_path / "metrics.jsonl"
+    m = dict(epoch=0, loss=1.0, train_acc=0.5, val_acc=0.5, seeds_per_s=100.0, data_wait=0.1, epoch_time=10.0)
+    log.write_text(json.dumps(dict(m, epoch=-1)) + "\n")  # before the printer starts: a resumed run's, not printed
+    with _EpochPrinter(str(log), epochs=3):
+        with log.open("a") as f:  # prints at the latest when it stops
+            f.write(json.dumps(m) + "\n" + json.dumps(dict(m, epoch=2, test_acc=0.5)) + "\n")
+    first, last = capsys.readouterr().out.splitlines()
+    assert first.startswith("epoch=0 ") and first.endswith(" eta=20s")
+    assert last.startswith("epoch=2 ") and " eta=" not in last
 
 
 def test_epoch_line_eta_format():

@@ -1,0 +1,123 @@
+"""Driver checks that the Ray cluster can ever run the job, made before anything waits on it.
+
+Ray waits for resources it lacks, expecting an autoscaler to add nodes; on a
+cluster of fixed size that wait never ends. So the driver compares what the
+job needs with what the nodes have and raises :class:`ClusterError` when the
+job can never start: train workers (each on one node), sampler actors, one CPU
+for Ray Data's tasks, and an object store per node that holds the graph.
+
+A cluster counts as autoscaling when its autoscaler reported node types it can
+add (the test Ray Data uses); then only the object store is checked against
+the current nodes, and Ray Train itself checks the autoscaler's maxima.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gnnray.config import JobConfig
+from gnnray.errors import ClusterError
+
+# Share of a node's object store the graph may take: the rest holds the
+# mini-batches in flight and Ray's own objects.
+GRAPH_STORE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Node:
+    """What one alive node offers.
+
+    Attributes:
+        node_id: Ray's node id (hex).
+        address: Its IP address.
+        cpus: Logical CPUs.
+        gpus: GPUs.
+        object_store_bytes: Capacity of its object store.
+    """
+
+    node_id: str
+    address: str
+    cpus: float
+    gpus: float
+    object_store_bytes: int
+
+
+def nodes() -> list[Node]:
+    """The alive nodes of the connected cluster."""
+    import ray
+
+    return [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), float(n["Resources"].get("CPU", 0)),
+                 float(n["Resources"].get("GPU", 0)), int(n["Resources"].get("object_store_memory", 0)))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def autoscaling() -> bool:
+    """Whether the cluster's autoscaler reported node types it can add (``False`` for local and fixed clusters)."""
+    try:
+        import ray._private.state
+
+        config = ray._private.state.state.get_cluster_config()
+    except Exception:  # a private API: if it moves, do not block a cluster that may scale
+        return True
+    if not config or not config.node_group_configs:
+        return False
+    return any(g.max_count == -1 or g.max_count > g.min_count
+               for g in config.node_group_configs if g.resources and g.max_count != 0)
+
+
+def check_resources(cfg: JobConfig, use_gpu: bool, cluster: list[Node]) -> None:
+    """Raise :class:`ClusterError` if ``cluster`` can never run the job's workers and actors at once.
+
+    Only what is certainly needed is checked: each train worker on one node
+    (``--cpus-per-worker`` CPUs, and a GPU with ``use_gpu``), the smallest
+    sampler pool (``--sampler-actors MIN``), and one CPU for Ray Data's tasks,
+    which run while workers and actors hold theirs.
+    """
+    t, s = cfg.train, cfg.sampler
+    where = _describe(cluster)
+    slots = sum(min(_fits(n.cpus, t.cpus_per_worker), _fits(n.gpus, 1) if use_gpu else math.inf) for n in cluster)
+    if slots < t.num_workers:
+        each = f"{t.cpus_per_worker:g} CPU{'' if t.cpus_per_worker == 1 else 's'}" + (" and 1 GPU" if use_gpu else "")
+        fix = "lower --num-workers or --cpus-per-worker" + (", or pass --use-gpu no" if use_gpu else "")
+        raise ClusterError(f"--num-workers {t.num_workers}: each train worker needs {each} on one node, and the "
+                           f"cluster ({where}) fits {slots:g}; {fix}, or add nodes")
+    need = t.num_workers * t.cpus_per_worker + s.actors_min * s.cpus_per_actor + 1
+    total = sum(n.cpus for n in cluster)
+    if total < need:
+        raise ClusterError(f"the job needs {need:g} CPUs at once ({t.num_workers} train workers x "
+                           f"{t.cpus_per_worker:g} + {s.actors_min} sampler actors x {s.cpus_per_actor:g} + 1 for "
+                           f"Ray Data's tasks) and the cluster ({where}) has {total:g}; lower --num-workers, "
+                           "--cpus-per-worker, --sampler-actors MIN or --cpus-per-sampler, or add nodes")
+    if not any(n.cpus >= s.cpus_per_actor for n in cluster):
+        raise ClusterError(f"--cpus-per-sampler {s.cpus_per_actor:g}: no node has that many CPUs ({where})")
+
+
+def check_object_store(graph_bytes: int, cluster: list[Node]) -> None:
+    """Raise :class:`ClusterError` if some node's object store cannot hold the graph (its copy for that node).
+
+    Without this check Ray would put the graph on disk (fallback allocation)
+    or spill mini-batches continually; both are slow and say little.
+    """
+    for n in cluster:
+        if graph_bytes > GRAPH_STORE_FRACTION * n.object_store_bytes:
+            raise ClusterError(
+                f"the graph takes {_size(graph_bytes)} but the object store of node {n.address} "
+                f"({n.node_id[:8]}) holds {_size(n.object_store_bytes)}; it may use at most "
+                f"{GRAPH_STORE_FRACTION:.0%} of it. Give every node a larger store: `ray start "
+                f"--object-store-memory BYTES` (or `ray.init(object_store_memory=BYTES)` before calling gnnray), "
+                f"at least {_size(math.ceil(graph_bytes / GRAPH_STORE_FRACTION))}; or train on a smaller graph")
+
+
+def _fits(have: float, each: float) -> float:
+    return math.floor(have / each + 1e-9)
+
+
+def _describe(cluster: list[Node]) -> str:
+    gpus = sum(n.gpus for n in cluster)
+    return (f"{len(cluster)} node{'s' if len(cluster) != 1 else ''}, CPUs per node "
+            f"{', '.join(f'{n.cpus:g}' for n in cluster)}" + (f", {gpus:g} GPUs" if gpus else ", no GPU"))
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

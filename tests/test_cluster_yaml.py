@@ -1,0 +1,103 @@
+"""``cluster.yaml`` passes Ray's own cluster-launcher validation (no cloud calls) and fits the job."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return yaml.safe_load((REPO / "cluster.yaml").read_text())
+
+
+def _prepared(config: dict) -> dict:
+    """What ``ray up`` checks before it talks to the cloud: defaults filled in, then the schema and rules."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    return prepared
+
+
+def _pinned() -> dict[str, Requirement]:
+    """The ``dependencies`` of pyproject.toml, by name."""
+    text = (REPO / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+    reqs = [Requirement(r) for r in re.findall(r'"([^"]+)"', block)]
+    return {r.name: r for r in reqs}
+
+
+def _installed(commands: list[str]) -> dict[str, Requirement]:
+    """Requirements that ``pip install`` commands name, by name."""
+    found = {}
+    for command in commands:
+        words = shlex.split(command)
+        if words[:2] == ["pip", "install"]:
+            for w in words[2:]:
+                if not w.startswith("-") and not w.startswith("http"):
+                    r = Requirement(w)
+                    found[r.name] = r
+    return found
+
+
+def test_ray_validates_cluster_yaml(config):
+    prepared = _prepared(config)
+    assert prepared["provider"]["type"] == "aws"
+    types = prepared["available_node_types"]
+    head = types[prepared["head_node_type"]]
+    assert head["resources"] == {"CPU": 0}  # the head schedules no work
+    gpu = [t for t in types.values() if t["resources"].get("GPU", 0) >= 1]
+    cpu = [n for n, t in types.items() if n != prepared["head_node_type"] and not t["resources"].get("GPU")]
+    assert len(gpu) == 1 and len(cpu) == 1
+    for node_type in (gpu[0], types[cpu[0]]):  # room for a train worker / sampler actor; autoscaled
+        assert node_type["resources"]["CPU"] >= 1 and 0 <= node_type["min_workers"] < node_type["max_workers"]
+    assert sum(t["max_workers"] for n, t in types.items() if n != prepared["head_node_type"]) <= prepared["max_workers"]
+
+
+def test_validation_is_real(config):
+    """Ray's validation rejects what ``ray up`` would: an unknown field, and min_workers above max_workers."""
+    import jsonschema
+
+    typo = copy.deepcopy(config)
+    typo["available_node_types"]["cpu_worker"]["min_worker"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        _prepared(typo)
+    too_many = copy.deepcopy(config)
+    too_many["available_node_types"]["cpu_worker"]["min_workers"] = config["max_workers"] + 1
+    with pytest.raises(ValueError, match="max_workers"):
+        _prepared(too_many)
+
+
+def test_setup_commands_install_the_pinned_stack(config):
+    """Every node installs pyproject's pins; GPU nodes get DGL's CUDA build for the pinned torch."""
+    prepared = _prepared(config)
+    pinned = _pinned()
+    gpu_type = next(t for t in prepared["available_node_types"].values() if t["resources"].get("GPU"))
+    torch_minor = ".".join(str(next(iter(pinned["torch"].specifier)).version).split(".")[:2])
+    for commands, cuda in ((prepared["head_setup_commands"], False), (prepared["worker_setup_commands"], False),
+                           (gpu_type["worker_setup_commands"], True)):
+        installed = _installed(commands)
+        assert set(pinned) <= set(installed) <= set(pinned) | {"boto3"}, commands  # Ray's default: boto3 on the head
+        for name, req in pinned.items():
+            if name == "dgl" and cuda:
+                (spec,) = installed[name].specifier
+                version = Version(spec.version)
+                assert version.local == "cu121" and version in req.specifier  # 2.1.0+cu121 satisfies ==2.1.0
+                assert f"https://data.dgl.ai/wheels/torch-{torch_minor}/cu121/repo.html" in " ".join(commands)
+            else:
+                assert installed[name].specifier == req.specifier and installed[name].extras == req.extras, name
+
+
+def test_no_secrets_in_cluster_yaml():
+    text = (REPO / "cluster.yaml").read_text()
+    assert not re.search(r"AKIA[0-9A-Z]{16}|aws_secret_access_key|\b\d{12}\b|ssh_private_key:|KeyName:", text)

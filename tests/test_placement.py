@@ -1,0 +1,172 @@
+"""Multi-node placement, simulated: two extra nodes join the session's cluster (``ray.cluster_utils``).
+
+Shown: the job's train workers and sampler actors spread over nodes; each node's
+object store holds the graph once however many processes read it; a sampler
+actor reads the graph from its own node's copy.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+from gnnray.config import parse_args
+from gnnray.datasets import make_synthetic
+from gnnray.graph_store import GraphHandle, publish
+
+JOB = ["--dataset", "synthetic", "--synthetic-nodes", "2000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
+       "--batch-size", "128", "--hidden", "32", "--num-workers", "2", "--sampler-actors", "2", "--epochs", "1",
+       "--eval", "sampled"]
+
+
+@pytest.fixture(scope="module")
+def nodes(cluster, ray_cluster):
+    """Node ids ``(head, a, b)``: the session's head plus two simulated nodes with 2 and 3 CPUs, removed after."""
+    ray = ray_cluster
+    added = []
+    try:
+        for cpus in (2, 3):
+            added.append(cluster.add_node(num_cpus=cpus, object_store_memory=200 * 2**20))
+        cluster.wait_for_nodes()
+        yield (cluster.head_node.node_id, *(n.node_id for n in added))
+    finally:
+        for n in added:
+            cluster.remove_node(n)
+        cluster.wait_for_nodes()
+        # The session's cluster still schedules work on its head alone.
+        assert ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote(), timeout=120) == \
+            cluster.head_node.node_id
+
+
+def _on(node_id: str):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+def _store_bytes(ray, node_id: str) -> int:
+    """Bytes in ``node_id``'s object store, from its raylet."""
+    from ray._private.internal_api import node_stats
+
+    node = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+    reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
+    return reply.store_stats.object_store_bytes_used
+
+
+def test_graph_once_per_node_and_read_locally(ray_cluster, nodes):
+    """Two sampler actors on each simulated node: one copy per node, mapped by both, none from another node."""
+    ray = ray_cluster
+    from ray.experimental import get_object_locations
+
+    graph = make_synthetic(20_000, 8, 128, 10, 0)  # ~12 MiB: a copy is plain in the store's byte count
+    handle = publish(graph)
+
+    # Defined in the test so that cloudpickle ships them by value (tests/ is not on the workers' path).
+    def mapping_of(array: np.ndarray) -> tuple[str, str, str]:
+        """``(device, inode, path)`` of the memory mapping that holds ``array``'s data in this process."""
+        address = array.ctypes.data
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return fields[3], fields[4], fields[5].strip() if len(fields) > 5 else ""
+        raise AssertionError("address not mapped")
+
+    def make_reader():
+        @ray.remote(num_cpus=0)
+        class Reader:
+            def __init__(self, handle: GraphHandle):
+                from gnnray.sampling import SamplerActor
+
+                self.actor = SamplerActor(handle, (5, 5))
+
+            def sample_and_locate(self, seeds: np.ndarray) -> dict:
+                out = self.actor({"epoch": np.array([0]), "seeds": seeds[None]})
+                g = self.actor._sampler._graph  # the arrays this actor's sampler reads
+                return dict(node=ray.get_runtime_context().get_node_id(), rows=len(out["packed"]),
+                            indices=mapping_of(g.indices), feat=mapping_of(g.feat),
+                            read_only=not (g.indices.flags.writeable or g.feat.flags.writeable))
+
+        return Reader
+
+    Reader = make_reader()
+    head, a, b = nodes
+    readers = {node: [Reader.options(scheduling_strategy=_on(node)).remote(handle) for _ in range(2)] for node in (a, b)}
+    seeds = graph.train_idx[:64]
+    seen = {node: ray.get([r.sample_and_locate.remote(seeds) for r in rs], timeout=300) for node, rs in readers.items()}
+    driver = handle.get()
+
+    for node, reports in seen.items():
+        assert all(r["node"] == node and r["rows"] == 1 and r["read_only"] for r in reports)
+        # Both actors on a node map the same store pages (one copy), and it is not the head's.
+        assert reports[0]["indices"] == reports[1]["indices"] and reports[0]["feat"] == reports[1]["feat"]
+        assert reports[0]["indices"][:2] != mapping_of(driver.indices)[:2]
+    assert seen[a][0]["indices"][:2] != seen[b][0]["indices"][:2]  # each node reads its own copy
+
+    ref = handle._ref[0]
+    location = get_object_locations([ref], timeout_ms=30_000)[ref]
+    assert sorted(location["node_ids"]) == sorted([head, a, b])  # one copy on each node that read it
+    assert location["object_size"] >= graph.nbytes
+    for node in (a, b):  # two readers, one copy: the graph plus a little (other objects are tiny)
+        assert graph.nbytes <= _store_bytes(ray, node) < 1.5 * graph.nbytes
+    for rs in readers.values():
+        for r in rs:
+            ray.kill(r)
+
+
+def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_path, monkeypatch):
+    """The head is kept busy, so the job's 2 train workers and 2 sampler actors (1 CPU each) must use both nodes."""
+    ray = ray_cluster
+    from ray._private.state import actors as actor_table
+    from ray.experimental import get_object_locations
+
+    import gnnray.job
+
+    head, a, b = nodes
+    head_cpus = int(next(n for n in ray.nodes() if n["NodeID"] == head)["Resources"]["CPU"])
+
+    @ray.remote(num_cpus=head_cpus)
+    class Blocker:  # holds all of the head's CPUs while alive
+        def ready(self):
+            return True
+
+    hold = Blocker.options(scheduling_strategy=_on(head)).remote()
+    ray.get(hold.ready.remote(), timeout=120)
+
+    published: list[GraphHandle] = []
+
+    def publish_and_keep(graph):
+        published.append(publish(graph))
+        return published[-1]
+
+    monkeypatch.setattr(gnnray.job, "publish", publish_and_keep)
+    before = set(actor_table())
+    graph_nodes: set[str] = set()
+    stop = threading.Event()
+
+    def watch_graph():  # the graph is freed when the run ends: look while it runs
+        while not stop.wait(0.5):
+            if published:
+                ref = published[0]._ref[0]
+                graph_nodes.update(get_object_locations([ref], timeout_ms=10_000).get(ref, {}).get("node_ids", []))
+
+    watcher = threading.Thread(target=watch_graph, daemon=True)
+    watcher.start()
+    try:
+        gnnray.job.run(parse_args(JOB + ["--storage-path", str(tmp_path), "--name", f"placement-{uuid.uuid4().hex[:6]}"]))
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+        ray.kill(hold)
+
+    new = [info for aid, info in actor_table().items() if aid not in before]
+    workers = {i["Address"]["NodeID"] for i in new if "TrainWorker" in i["ActorClassName"]}
+    samplers = {i["Address"]["NodeID"] for i in new if "SamplerActor" in i["ActorClassName"]}
+    assert workers and samplers, sorted({i["ActorClassName"] for i in new})
+    assert workers | samplers == {a, b}  # 4 one-CPU actors, at most 3 CPUs a node: both nodes
+    # The graph reached every node where a worker or sampler read it (and stays on the head, its owner).
+    assert graph_nodes >= workers | samplers | {head}
