@@ -15,8 +15,10 @@ module              runs on                output
 ``train_loop``      train worker           loss, metrics and checkpoints via ``ray.train``
 ==================  =====================  ===================================================
 
-``job`` is the driver that wires them; ``checkpoint`` reads and writes
-checkpoints; ``errors`` holds the user-facing exceptions. ``embedding`` is the
+``job`` is the driver that wires them; ``cluster`` checks on the driver that
+the cluster can ever run the job; ``checkpoint`` reads and writes
+checkpoints; ``metrics`` exports Prometheus metrics from workers and sampler
+actors; ``errors`` holds the user-facing exceptions. ``embedding`` is the
 learnable node input of ``--embedding-dim`` (train worker); ``inference`` is
 layer-wise full-neighbor prediction after training and in ``jobs/predict.py``
 (driver, Ray Data actors).

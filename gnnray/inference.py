@@ -203,7 +203,6 @@ def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding:
         ValueError: ``model`` has no per-layer interface.
     """
     import ray
-    import ray.data
 
     if not supports_layerwise(model):
         raise ValueError(f"{type(model).__name__} has no layer(i, block, h) and num_layers; layer-wise inference "

@@ -318,7 +318,9 @@ def _init_ray(cfg: JobConfig) -> bool:
             # machine they then share cores rather than wait forever.
             need = (cfg.train.num_workers * cfg.train.cpus_per_worker
                     + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1)
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
+            # address="local": a new cluster even if another runs on this
+            # machine (joining one is what RAY_ADDRESS is for).
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
     ray.data.DataContext.get_current().enable_progress_bars = sys.stdout.isatty()
     return local
 
@@ -337,10 +339,16 @@ def _resolve_gpu(cfg: JobConfig, local: bool) -> bool:
 
 
 def _one_line(e: BaseException) -> str:
-    """The failure in one line: the first failed rank's error, and its node when its process died or went silent."""
+    """The failure in one line: the root failed rank's error, and its node when its process died or went silent.
+
+    A rank whose process died (or whose node was lost) is the root cause;
+    the other ranks' errors (collective timeouts, connection resets) follow
+    from it, so it is reported first.
+    """
     failures = getattr(e, "worker_failures", None)
     if failures:
-        rank, err = sorted(failures.items())[0]
+        ranked = sorted(failures.items(), key=lambda kv: (not _node_of(kv[1]), kv[0]))
+        rank, err = ranked[0]
         lines = [l for l in str(err).strip().splitlines() if l.strip()]
         return f"rank {rank}{_node_of(err)}: {lines[-1] if lines else type(err).__name__}"
     lines = [l for l in str(e).strip().splitlines() if l.strip()]

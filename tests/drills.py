@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -17,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import pytest
+import torch
+
+from gnnray import checkpoint
 from gnnray.config import parse_args
 from gnnray.job import METRICS_LOG, run
 
@@ -132,3 +137,74 @@ def subprocess_env(ray) -> dict:
 
 def job_command(args: list[str]) -> list[str]:
     return [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *args]
+
+
+def own_stderr(err: str) -> str:
+    """``err`` without the lines Ray forwards from other processes' logs (``(Name pid=N) ...``)."""
+    ray_line = re.compile(r"^(\x1b\[\d+m)?\([^)]*(pid=|raylet|gcs_server)")
+    return "\n".join(line for line in err.splitlines() if not ray_line.match(line))
+
+
+def write_checkpoints(run_dir: Path, args: list[str], epochs: list[int]) -> list[Path]:
+    """Checkpoints as rank 0 writes them (same model, optimizer and format), without training."""
+    from gnnray.datasets import load_graph
+    from gnnray.train_loop import default_model
+
+    cfg = parse_args(args)
+    graph = load_graph(cfg.data)
+    torch.manual_seed(0)
+    model = default_model(graph.feat_dim, graph.num_classes, cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    dirs = []
+    for epoch in epochs:
+        d = run_dir / f"checkpoint_2026-01-01_00-00-{epoch:02d}.000000"  # Ray's naming: by time
+        d.mkdir(parents=True)
+        checkpoint.save(str(d), model, optimizer, dict(epoch=epoch, loss=1.0, best_val_acc=0.5, restarts=0))
+        dirs.append(d)
+    return dirs
+
+
+def drop_key(d: Path, key: str) -> None:
+    """Rewrite state.pt without ``key``, meta.json consistent with it: complete files, corrupt content."""
+    state = checkpoint.load_state(str(d))
+    del state[key]
+    torch.save(state, d / checkpoint.STATE_FILE)
+    meta = json.loads((d / checkpoint.META_FILE).read_text())
+    meta["state_bytes"] = os.path.getsize(d / checkpoint.STATE_FILE)
+    (d / checkpoint.META_FILE).write_text(json.dumps(meta))
+
+
+@dataclass(frozen=True)
+class ResumedRun:
+    """The run of :func:`resumed_run`: its storage path and name, the corrupt checkpoint, the finished job."""
+
+    storage: Path
+    name: str
+    corrupt: Path
+    job: JobThread
+
+
+_RUNS: dict = {}  # resumed_run's result: two test modules import the fixture, the run happens once
+
+
+@pytest.fixture(scope="session")
+def resumed_run(ray_cluster, tmp_path_factory) -> ResumedRun:
+    """One run serves two drills: it resumes past a corrupt checkpoint (drill 8), then runs 8 epochs (drill 12).
+
+    Checkpoints of epochs 0 and 1 are written as rank 0 would; epoch 1's
+    lacks its optimizer state. Features of 64 and fanouts 10,10 make each
+    step's mini-batch ~0.5 MiB, so memory kept per step would show.
+    """
+    if "resumed" not in _RUNS:
+        _RUNS["resumed"] = _resumed_run(tmp_path_factory)
+    return _RUNS["resumed"]
+
+
+def _resumed_run(tmp_path_factory) -> ResumedRun:
+    storage, name = tmp_path_factory.mktemp("resumed"), "resumed"
+    args = SMALL + ["--synthetic-feat-dim", "64", "--fanouts", "10,10", "--storage-path", str(storage),
+                    "--name", name]
+    _, newest = write_checkpoints(storage / name, args, [0, 1])
+    drop_key(newest, "optimizer")
+    job = JobThread(args + ["--epochs", "9"]).join()
+    return ResumedRun(storage, name, newest, job)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from drills import SMALL, JobThread, logged
+from drills import SMALL, JobThread, logged, own_stderr
 from gnnray import cluster
 from gnnray.config import parse_args
 from gnnray.errors import ClusterError
@@ -39,7 +39,7 @@ def _rejected(argv: list[str], capsys) -> str:
     """Run ``main(argv)``; check it fails as bad input before any actor starts; return its message."""
     before = _actors_created()
     assert main(argv) == 2
-    err = capsys.readouterr().err
+    err = own_stderr(capsys.readouterr().err)
     assert err.startswith("gnnray: error: ") and "Traceback" not in err, err
     assert _actors_created() == before, "an actor started before the input was rejected"
     return err

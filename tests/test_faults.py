@@ -19,7 +19,7 @@ import torch
 from ray import cloudpickle
 
 from drills import (JOB_TIMEOUT_S, SMALL, JobThread, actor_restarts, alive_actors, check_epochs, logged,
-                    wait_until)
+                    resumed_run, wait_until)  # noqa: F401 (fixture)
 
 # The custom models below must reach the workers by value: tests/ is not on their path.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -27,7 +27,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def test_train_worker_killed_mid_epoch(ray_cluster, tmp_path):
     """Drill 1: a train worker is killed mid-epoch; the run restores the last checkpoint and finishes."""
-    epochs = 5
+    epochs = 4
     job = JobThread(SMALL + ["--epochs", str(epochs), "--max-failures", "1", "--storage-path", str(tmp_path),
                              "--name", "d1"])
     wait_until(lambda: len(logged(tmp_path, "d1")) >= 2, JOB_TIMEOUT_S, "epoch 1", job)
@@ -77,9 +77,9 @@ class _NodeOnlyJob:
     def __init__(self, cluster, ray):
         from ray.util.placement_group import placement_group
 
-        self._cluster, self._ray = cluster, ray
-        head_cpus = ray.nodes()[0]["Resources"]["CPU"]
-        self.hold = placement_group([{"CPU": head_cpus}], strategy="STRICT_PACK")
+        self._cluster = cluster
+        [head] = [n for n in ray.nodes() if n["NodeID"] == cluster.head_node.node_id]
+        self.hold = placement_group([{"CPU": head["Resources"]["CPU"]}], strategy="STRICT_PACK")
         ray.get(self.hold.ready(), timeout=120)
         self.node = cluster.add_node(num_cpus=5)
         cluster.wait_for_nodes()
@@ -158,21 +158,18 @@ def test_exception_on_one_rank_ends_the_run(ray_cluster, tmp_path):
     assert not logged(tmp_path, "d11")
 
 
-def test_private_memory_flat_over_epochs(ray_cluster, tmp_path):
-    """Drill 12: the train workers' private memory (``worker_uss_mb``, after each epoch) does not keep growing.
+def test_private_memory_flat_over_epochs(resumed_run):
+    """Drill 12: over 8 epochs the train workers' private memory (``worker_uss_mb``) does not keep growing.
 
-    After the first epochs it rises by ~2.5 MiB an epoch here while Ray's and
-    the allocators' caches fill (over 40 epochs it levels off: +34 MiB by epoch
-    25, then ~0.1 MiB an epoch). Keeping each step's mini-batch (~0.5 MiB with
-    these 64 features and fanouts 10,10, 29 steps) would add ~15 MiB an epoch.
+    The run is the one of drill 8 (tests/drills.py). After the first epochs USS
+    rises by ~2.5 MiB an epoch here while Ray's and the allocators' caches fill
+    (over 40 epochs it levels off: +34 MiB by epoch 25, then ~0.1 MiB an
+    epoch); keeping each step's mini-batch (~0.5 MiB, 29 steps) would add ~15.
     """
-    epochs = 8
-    job = JobThread(SMALL + ["--synthetic-feat-dim", "64", "--fanouts", "10,10", "--epochs", str(epochs),
-                             "--storage-path", str(tmp_path), "--name", "d12"]).join()
-    assert job.error is None, repr(job.error)
-    uss = [m["worker_uss_mb"] for m in logged(tmp_path, "d12")]
-    assert len(uss) == epochs
-    per_epoch = (uss[-1] - uss[2]) / (epochs - 3)
+    assert resumed_run.job.error is None, repr(resumed_run.job.error)
+    uss = [m["worker_uss_mb"] for m in logged(resumed_run.storage, resumed_run.name)]
+    assert len(uss) == 8
+    per_epoch = (uss[-1] - uss[2]) / (len(uss) - 3)
     assert per_epoch < 6.0, f"USS grew {per_epoch:.2f} MiB an epoch: {[round(u, 1) for u in uss]}"
 
 

@@ -134,6 +134,19 @@ def test_predict_rejects_bad_checkpoints(tmp_path, capsys):
     assert err.startswith("gnnray: error:") and "no job configuration" in err and "Traceback" not in err
 
 
+def test_config_round_trips_through_checkpoint_json():
+    """predict.py rebuilds exactly the run's configuration from meta.json."""
+    import dataclasses
+    import json
+
+    from gnnray.config import from_dict
+
+    cfg = parse_args(["--model", "gat", "--heads", "3", "--fanouts", "5,-1", "--embedding-dim", "8", "--eval",
+                      "sampled", "--reverse-edges", "yes", "--use-gpu", "no"])
+    assert from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
+    assert from_dict({"model": {"name": "gcn", "unknown_key": 1}}).model.name == "gcn"  # other versions load
+
+
 def test_layerwise_needs_a_per_layer_model(tmp_path):
     class Plain(torch.nn.Module):
         def forward(self, blocks, x):

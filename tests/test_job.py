@@ -18,7 +18,7 @@ from gnnray.job import METRICS_LOG, main, run
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16",
              "--fanouts", "5,5", "--batch-size", "128", "--hidden", "32", "--num-workers", "2",
-             "--sampler-actors", "1,2"]
+             "--sampler-actors", "1,2", "--eval", "sampled"]  # layer-wise inference: tests/test_inference.py
 
 
 def _epochs_logged(storage: Path, name: str) -> list[dict]:
@@ -30,7 +30,7 @@ def test_cora_reaches_published_accuracy(ray_cluster, tmp_path):
     cora = shared_dataset("cora")
     cfg = parse_args(["--dataset", str(cora), "--normalize-features", "--epochs", "20", "--batch-size", "32",
                       "--fanouts", "10,10", "--hidden", "64", "--lr", "0.01", "--weight-decay", "5e-4",
-                      "--num-workers", "2", "--storage-path", str(tmp_path), "--name", "cora"])
+                      "--num-workers", "2", "--eval", "sampled", "--storage-path", str(tmp_path), "--name", "cora"])
     summary = run(cfg)
     assert summary.test_acc >= 0.77, summary.line()
     logged = _epochs_logged(tmp_path, "cora")

@@ -67,3 +67,16 @@ def test_gat_trains_through_the_job(ray_cluster, tmp_path):
     assert summary.test_acc > 2.5 * chance, summary.line()
     assert summary.metrics["eval"] == "layerwise" and "test_acc_sampled" in summary.metrics
     assert checkpoint.read_meta(summary.checkpoint)["config"]["model"]["name"] == "gat"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--heads", "0"], "--heads 0"),
+    (["--embedding-dim", "-1"], "--embedding-dim -1"),
+    (["--inference-batch-size", "0"], "--inference-batch-size 0"),
+    (["--embedding-lr", "0"], "--embedding-lr 0"),
+])
+def test_new_options_are_validated(args, message):
+    from gnnray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        parse_args(args)
