@@ -165,9 +165,10 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
         compute=ray.data.ActorPoolStrategy(min_size=cfg.sampler.actors_min, max_size=cfg.sampler.actors_max),
         num_cpus=cfg.sampler.cpus_per_actor,
     )
-    # One mini-batch per block: Ray Data would otherwise coalesce rows into
-    # blocks of up to 128 MiB (~40 batches), which reach a worker in bursts.
-    minibatches.context.target_max_block_size = 1
+    # Small output blocks (1-2 arxiv-scale mini-batches): Ray Data would
+    # otherwise coalesce rows into blocks of up to 128 MiB (~40 batches),
+    # which reach a worker in bursts.
+    minibatches.context.target_max_block_size = 8 << 20
     # Order kept so each rank's steps follow the epochs in sequence; Ray
     # Train splits with equal=True, so every rank gets the same row count.
     options = ray.data.ExecutionOptions(preserve_order=True)
