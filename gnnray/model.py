@@ -19,7 +19,7 @@ MODELS = ("sage", "gat", "gcn")
 
 
 class _LayeredGNN(nn.Module):
-    """A stack of graph convolutions, one per block; subclasses define :meth:`layer`."""
+    """A stack of graph convolutions, one per block, applied by :meth:`layer`."""
 
     layers: nn.ModuleList
 
@@ -34,8 +34,15 @@ class _LayeredGNN(nn.Module):
         return h
 
     def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        """Apply layer ``i`` to ``block`` (source features ``h``); hidden layers include activation and dropout."""
-        raise NotImplementedError
+        """Apply layer ``i`` to ``block`` (source features ``h``); hidden layers include activation and dropout.
+
+        The default is ReLU then ``self.dropout`` after every hidden layer
+        (GraphSAGE, GCN); GAT overrides it.
+        """
+        h = self.layers[i](block, h)
+        if i < self.num_layers - 1:
+            h = self.dropout(torch.relu(h))
+        return h
 
 
 class GraphSAGE(_LayeredGNN):
@@ -56,12 +63,6 @@ class GraphSAGE(_LayeredGNN):
         sizes = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
         self.layers = nn.ModuleList(SAGEConv(a, b, "mean") for a, b in zip(sizes[:-1], sizes[1:]))
         self.dropout = nn.Dropout(dropout)
-
-    def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        h = self.layers[i](block, h)
-        if i < self.num_layers - 1:
-            h = self.dropout(torch.relu(h))
-        return h
 
 
 class GAT(_LayeredGNN):
@@ -143,12 +144,6 @@ class GCN(_LayeredGNN):
         self.layers = nn.ModuleList(GraphConv(a, b, norm="right", allow_zero_in_degree=True)
                                     for a, b in zip(sizes[:-1], sizes[1:]))
         self.dropout = nn.Dropout(dropout)
-
-    def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        h = self.layers[i](block, h)
-        if i < self.num_layers - 1:
-            h = self.dropout(torch.relu(h))
-        return h
 
 
 def build_model(in_feats: int, num_classes: int, num_layers: int, hidden: int, dropout: float,
