@@ -8,8 +8,8 @@ module              runs on                output
 ``config``          driver                 frozen ``JobConfig`` from the command line
 ``datasets``        driver                 validated numpy ``Graph`` (in-edge CSC, features)
 ``graph_store``     driver                 ``GraphHandle``: the graph once in the object store
-``seeds``           Ray Data tasks         rows of (epoch, padded seed ids), all epochs
-``sampling``        sampler actors         rows of packed ``MiniBatch`` (``batch``)
+``seeds``           driver                 ``SeedPlan`` + dataset of row numbers, all epochs
+``sampling``        sampler actors         Arrow rows of packed ``MiniBatch`` (``batch``)
 ``prefetch``        train worker thread    ``MiniBatch`` with features, on the device
 ``model``           train worker           logits
 ``train_loop``      train worker           loss, metrics and checkpoints via ``ray.train``

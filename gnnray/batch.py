@@ -1,28 +1,43 @@
 """The one batch type every stage hands to the next.
 
 A :class:`MiniBatch` is born in a sampler actor (seeds + sampled blocks), travels
-through Ray Data as one flat int64 array (:meth:`MiniBatch.pack`), is rebuilt in
-the train worker (:meth:`MiniBatch.unpack`), gets its input features gathered
-there and is moved to the device with :meth:`MiniBatch.to`.
+through Ray Data as one flat integer array in an Arrow row (:func:`to_arrow`),
+is rebuilt in the train worker (:func:`from_arrow`, :meth:`MiniBatch.unpack`),
+gets its input features gathered there and is moved to the device with
+:meth:`MiniBatch.to`.
 
-Why one flat int64 array per batch: every part (ids, labels, CSC offsets and
-indices) is int64, so packing is one ``np.concatenate`` and unpacking is slicing
-(views, no copy). It travels as a single Arrow tensor column of one row, the
-cheapest encoding measured (``docs/performance.md``); pickled dicts cost 5-10x.
-Features are not shipped: the worker gathers them from the node-shared feature
-array, which keeps a batch ~15x smaller.
+Why one flat integer array per batch: every part (ids, labels, CSC offsets
+and indices) is an integer, so packing is one ``np.concatenate`` and unpacking
+is slicing (views, no copy). The array is int32 for graphs under 2**31 nodes
+(:func:`id_dtype`): local ids always fit, and half the bytes halves the copies
+Ray Data makes of every row (an arxiv batch with fanouts 15,10,5 is ~1.5 MiB).
+
+Why an Arrow ``large_list`` column (:func:`to_arrow` / :func:`from_arrow`): a
+sampler actor emits several mini-batches per call as one table whose values
+are one buffer, and a train worker reads whole blocks and slices rows out of
+them zero-copy. Ray Data's tensor columns cost several times more per row
+here: rows of different lengths become variable-shaped tensors, re-encoded at
+every step (docs/performance.md). Features are not shipped: the worker gathers them
+from the node-shared feature array, which keeps a batch ~25x smaller.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 _MAGIC = 0x6E6E7231  # "gnr1": rejects rows that are not packed mini-batches
 _FIXED_HEADER = 5  # magic, epoch, num_layers, num_seeds, num_input_nodes
+_COLUMN = "packed"
+
+
+def id_dtype(num_nodes: int) -> np.dtype:
+    """The packing dtype for a graph of ``num_nodes`` nodes: int32 while its global ids fit."""
+    return np.dtype(np.int32 if num_nodes < 2**31 else np.int64)
 
 
 class Layer(NamedTuple):
@@ -96,21 +111,24 @@ class MiniBatch:
             x=move(self.x),
         )
 
-    def pack(self) -> np.ndarray:
-        """Encode as one flat int64 array (see the module docstring)."""
+    def pack(self, dtype: np.dtype = np.int64) -> np.ndarray:
+        """Encode as one flat ``dtype`` array (pass :func:`id_dtype` of the graph; see the module docstring)."""
+        return np.concatenate(self._parts(), dtype=dtype, casting="unsafe")
+
+    def _parts(self) -> list[np.ndarray]:
         header = [_MAGIC, self.epoch, len(self.layers), self.num_seeds, int(self.input_nodes.shape[0])]
         for layer in self.layers:
             header += [layer.num_src, layer.num_dst, int(layer.indices.shape[0])]
         parts = [np.asarray(header, dtype=np.int64), self.seeds.numpy(), self.labels.numpy(), self.input_nodes.numpy()]
         for layer in self.layers:
             parts += [layer.indptr.numpy(), layer.indices.numpy()]
-        return np.concatenate([p.astype(np.int64, copy=False) for p in parts])
+        return parts
 
     @staticmethod
     def unpack(packed: torch.Tensor) -> "MiniBatch":
-        """Decode :meth:`pack`'s output; every tensor is a view into ``packed``."""
-        if packed.dtype != torch.int64 or packed.dim() != 1 or packed.shape[0] < _FIXED_HEADER:
-            raise ValueError("not a packed MiniBatch: expected a 1-D int64 array")
+        """Decode :meth:`pack`'s output; every tensor but ``labels`` (int64 for the loss) is a view into ``packed``."""
+        if packed.dtype not in (torch.int32, torch.int64) or packed.dim() != 1 or packed.shape[0] < _FIXED_HEADER:
+            raise ValueError("not a packed MiniBatch: expected a 1-D int32 or int64 array")
         magic, epoch, num_layers, num_seeds, num_input = packed[:_FIXED_HEADER].tolist()
         if magic != _MAGIC:
             raise ValueError("not a packed MiniBatch: bad magic number")
@@ -130,4 +148,23 @@ class MiniBatch:
             raise ValueError("packed MiniBatch is truncated")
         if pos < packed.shape[0]:
             raise ValueError(f"packed MiniBatch has {packed.shape[0] - pos} trailing values")
-        return MiniBatch(seeds, labels, input_nodes, layers, epoch=epoch)
+        return MiniBatch(seeds, labels.long(), input_nodes, layers, epoch=epoch)
+
+
+def to_arrow(batches: Sequence[MiniBatch], dtype: np.dtype) -> pa.Table:
+    """Pack ``batches`` into a table of one ``large_list`` row each, with one copy of their data."""
+    parts = [b._parts() for b in batches]
+    lengths = [sum(len(p) for p in ps) for ps in parts]
+    offsets = np.zeros(len(batches) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.concatenate([p for ps in parts for p in ps], dtype=dtype, casting="unsafe")
+    return pa.table({_COLUMN: pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))})
+
+
+def from_arrow(table: pa.Table) -> Iterator[np.ndarray]:
+    """Yield the packed mini-batches of a :func:`to_arrow` table (or a slice of one) as zero-copy views."""
+    for chunk in table.column(_COLUMN).chunks:
+        offsets = chunk.offsets.to_numpy()  # already shifted by the chunk's slice offset
+        values = chunk.values.to_numpy(zero_copy_only=True)
+        for start, stop in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            yield values[start:stop]

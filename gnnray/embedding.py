@@ -52,7 +52,7 @@ class NodeEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (global node ids, any device); the result is on the table's device (CPU)."""
-        return self.table(ids.cpu())
+        return self.table(ids.cpu().long())
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

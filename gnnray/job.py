@@ -153,22 +153,18 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
     from ray.train.torch import TorchTrainer
 
     from gnnray.sampling import SamplerActor
-    from gnnray.seeds import seed_dataset
+    from gnnray.seeds import SeedPlan, seed_dataset
 
-    seeds = seed_dataset(graph.train_idx, cfg.sampler.batch_size, cfg.train.num_workers, setup.first_epoch,
-                         cfg.train.epochs, cfg.train.seed)
+    plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, cfg.train.num_workers, cfg.train.seed)
+    seeds = seed_dataset(plan, setup.first_epoch, cfg.train.epochs)
     minibatches = seeds.map_batches(
         SamplerActor,
-        fn_constructor_kwargs=dict(graph=setup.graph, fanouts=cfg.sampler.fanouts, run=cfg.run.name),
-        batch_size=1,
+        fn_constructor_kwargs=dict(graph=setup.graph, fanouts=cfg.sampler.fanouts, plan=plan, run=cfg.run.name),
+        batch_size=None,  # a whole seed block per call (see SamplerActor)
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=cfg.sampler.actors_min, max_size=cfg.sampler.actors_max),
         num_cpus=cfg.sampler.cpus_per_actor,
     )
-    # Small output blocks (1-2 arxiv-scale mini-batches): Ray Data would
-    # otherwise coalesce rows into blocks of up to 128 MiB (~40 batches),
-    # which reach a worker in bursts.
-    minibatches.context.target_max_block_size = 8 << 20
     # Order kept so each rank's steps follow the epochs in sequence; Ray
     # Train splits with equal=True, so every rank gets the same row count.
     options = ray.data.ExecutionOptions(preserve_order=True)

@@ -113,7 +113,8 @@ def _with_edge_ids(block):
     indptr, indices, eids = block.adj_tensors("csc")
     if eids.numel() == indices.numel():
         return block
-    return dgl.create_block(("csc", (indptr, indices, torch.arange(indices.numel(), device=indices.device))),
+    eids = torch.arange(indices.numel(), dtype=indices.dtype, device=indices.device)
+    return dgl.create_block(("csc", (indptr, indices, eids)),
                             num_src_nodes=block.num_src_nodes(), num_dst_nodes=block.num_dst_nodes(),
                             device=indices.device)
 

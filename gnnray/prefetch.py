@@ -49,7 +49,9 @@ class _HostSlot:
             return buf
         return torch.empty(int(numel * 1.25) + 1024, dtype=buf.dtype, pin_memory=self._pin)
 
-    def ids(self, n: int) -> torch.Tensor:
+    def ids(self, n: int, dtype: np.dtype) -> torch.Tensor:
+        if self._ids.numpy().dtype != dtype:
+            self._ids = torch.from_numpy(np.empty(0, dtype))
         self._ids = self._grow(self._ids, n)
         return self._ids[:n]
 
@@ -65,7 +67,7 @@ class Prefetcher:
     buffers are then reused.
 
     Args:
-        rows: Packed mini-batches (1-D int64 numpy arrays), read in order.
+        rows: Packed mini-batches (1-D int32 or int64 numpy arrays), read in order.
         feat: Node features, ``(num_nodes, F)`` float32 (read-only is fine).
         device: Where batches are delivered.
         depth: Batches prepared ahead of the consumer.
@@ -150,7 +152,7 @@ class Prefetcher:
     def _prepare(self, packed: np.ndarray, slot: _HostSlot):
         if slot.copied is not None:
             slot.copied.synchronize()  # the last copy out of this slot must finish before we overwrite it
-        ids = slot.ids(packed.shape[0])
+        ids = slot.ids(packed.shape[0], packed.dtype)
         ids.numpy()[:] = packed  # rows arrive as read-only views; this is the one copy
         mb = MiniBatch.unpack(ids)
         x = slot.feat(mb.input_nodes.shape[0], self._feat.shape[1])

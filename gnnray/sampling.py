@@ -1,9 +1,9 @@
 """Stage 3 (sampler actor): seed batches become sampled mini-batches.
 
-Input: rows of the seeds dataset (``epoch``, padded ``seeds``). Runs in a Ray
+Input: rows of the seeds dataset (row numbers of a ``SeedPlan``). Runs in a Ray
 Data actor pool (``map_batches`` + ``ActorPoolStrategy``) whose actors each
 attach the node-shared graph once, zero-copy. Output: one row per mini-batch,
-``{"packed": MiniBatch.pack()[None]}``.
+a packed ``MiniBatch`` in an Arrow table (:func:`gnnray.batch.to_arrow`).
 
 Train workers call :func:`sample` too, for evaluation, so sampling is the same
 code wherever it runs.
@@ -16,8 +16,9 @@ import time
 import numpy as np
 import torch
 
-from gnnray.batch import Layer, MiniBatch
+from gnnray.batch import Layer, MiniBatch, id_dtype, to_arrow
 from gnnray.graph_store import Graph, GraphHandle, to_dgl
+from gnnray.seeds import SeedPlan, SeedReader
 
 
 class Sampler:
@@ -34,6 +35,7 @@ class Sampler:
         self._graph = graph
         self._g = to_dgl(graph)
         self._sampler = dgl.dataloading.NeighborSampler(list(fanouts))
+        self.id_dtype = id_dtype(graph.num_nodes)  # what to pack this graph's batches as
 
     def sample(self, seeds: np.ndarray, epoch: int = -1) -> MiniBatch:
         """Sample the blocks of ``seeds`` (global node ids)."""
@@ -55,21 +57,27 @@ class SamplerActor:
     Args:
         graph: Handle of the node-shared graph; the actor keeps only views.
         fanouts: Neighbors per layer, input layer first.
+        plan: Which seeds each row number stands for.
         run: Run name that tags the actor's metrics (:class:`gnnray.metrics.SamplerMetrics`).
     """
 
-    def __init__(self, graph: GraphHandle, fanouts: tuple[int, ...], run: str = "gnnray"):
+    def __init__(self, graph: GraphHandle, fanouts: tuple[int, ...], plan: SeedPlan, run: str = "gnnray"):
         from gnnray.metrics import SamplerMetrics
 
         self._sampler = Sampler(graph.get(), fanouts)
+        self._seeds = SeedReader(plan)
         self._metrics = SamplerMetrics(run)
 
-    def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # batch_size=1: one seed batch in, one mini-batch out, so each output
-        # row is one training step and rows split evenly across ranks.
-        start = time.perf_counter()
-        seeds = rows["seeds"][0]
-        mb = self._sampler.sample(seeds[seeds >= 0], epoch=int(rows["epoch"][0]))
-        packed = mb.pack()[None]
-        self._metrics.batch(sum(int(layer.indices.shape[0]) for layer in mb.layers), time.perf_counter() - start)
-        return {"packed": packed}
+    def __call__(self, rows: dict[str, np.ndarray]):
+        # A whole block of rows per call, one mini-batch (one output row) per
+        # input row: rows stay training steps, so they split evenly across
+        # ranks, while Ray Data's per-call work (batch conversion, building
+        # and storing the output block) is paid once per block, not per step.
+        batches = []
+        for row in rows["row"].tolist():
+            start = time.perf_counter()
+            epoch, seeds = self._seeds.seeds(row)
+            mb = self._sampler.sample(seeds, epoch=epoch)
+            batches.append(mb)
+            self._metrics.batch(sum(int(layer.indices.shape[0]) for layer in mb.layers), time.perf_counter() - start)
+        return to_arrow(batches, self._sampler.id_dtype)

@@ -1,8 +1,16 @@
-"""Stage 2 (driver plans it, Ray Data runs it): the stream of seed batches.
+"""Stage 2 (driver plans, sampler actors draw): the stream of seed batches.
 
-Input: the training split's node ids. Output: a Ray Data dataset with one row
-per (epoch, step, rank) holding ``epoch`` and ``seeds`` (a fixed-width row of
-node ids padded with ``-1``), covering every epoch of the run in order.
+Input: the training split's node ids. Output: a :class:`SeedPlan` (which
+seeds each step samples) and a Ray Data dataset with one row per (epoch,
+step, rank) holding only the row's number, ``row = epoch * rows_per_epoch +
+j``, covering every epoch of the run in order. The sampler actor turns a row
+number into its seeds with :meth:`SeedPlan.seeds`.
+
+Why row numbers and not seeds: the dataset is built from in-memory blocks
+(``ray.data.from_arrow``), so it runs no Ray tasks. Computing the seeds in
+read tasks cost ~12 ms of the node's CPU per row (a task per block, each
+receiving the split and shuffling it), as much as sampling the row on a
+2-core machine; an actor shuffles each epoch once and then only slices.
 
 One dataset spans all epochs so the sampler actor pool starts once per run,
 not once per epoch (a new pool costs 12-26 s here, mostly importing torch and
@@ -17,9 +25,13 @@ number of steps and DDP never waits on a rank that ran out of data.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
+# Blocks of a few rows: the actor pool hands out whole blocks, so one block
+# per epoch would leave all but one sampler actor idle (measured: 2 actors
+# give 1.97x one actor's batches/s with 8-row blocks).
 _ROWS_PER_BLOCK = 8
 
 
@@ -34,40 +46,55 @@ def epoch_batches(ids: np.ndarray, num_batches: int, seed: int, epoch: int) -> l
     return np.array_split(rng.permutation(ids), num_batches)
 
 
-def seed_dataset(train_idx: np.ndarray, batch_size: int, num_workers: int, first_epoch: int, num_epochs: int,
-                 seed: int):
-    """Return the Ray Data dataset of seed batches for epochs ``first_epoch .. num_epochs - 1``.
+@dataclass(frozen=True)
+class SeedPlan:
+    """Which seeds each row of the stream samples: row ``j`` of epoch ``e`` is batch ``j`` of that epoch.
+
+    Attributes:
+        train_idx: The training split's node ids.
+        rows_per_epoch: Batches per epoch, ``steps_per_epoch * num_workers``.
+        seed: The run's seed; with the epoch it fixes the shuffle.
+    """
+
+    train_idx: np.ndarray
+    rows_per_epoch: int
+    seed: int
+
+    @staticmethod
+    def for_run(train_idx: np.ndarray, batch_size: int, num_workers: int, seed: int) -> "SeedPlan":
+        return SeedPlan(train_idx, steps_per_epoch(len(train_idx), batch_size, num_workers) * num_workers, seed)
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """All of ``epoch``'s seed batches, in row order."""
+        return epoch_batches(self.train_idx, self.rows_per_epoch, self.seed, epoch)
+
+
+class SeedReader:
+    """Seeds of rows of a :class:`SeedPlan`, shuffling each epoch once (rows arrive epoch by epoch)."""
+
+    def __init__(self, plan: SeedPlan):
+        self._plan = plan
+        self._epoch, self._batches = -1, []
+
+    def seeds(self, row: int) -> tuple[int, np.ndarray]:
+        """Return ``row``'s epoch and seed node ids."""
+        epoch = row // self._plan.rows_per_epoch
+        if epoch != self._epoch:
+            self._epoch, self._batches = epoch, self._plan.batches(epoch)
+        return epoch, self._batches[row % self._plan.rows_per_epoch]
+
+
+def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int):
+    """Return the Ray Data dataset of row numbers for epochs ``first_epoch .. num_epochs - 1``.
 
     Raises:
         ValueError: ``first_epoch`` is not before ``num_epochs``.
     """
+    import pyarrow as pa
     import ray
 
     if not 0 <= first_epoch < num_epochs:
         raise ValueError(f"first_epoch {first_epoch} must be in [0, {num_epochs})")
-    rows_per_epoch = steps_per_epoch(len(train_idx), batch_size, num_workers) * num_workers
-    epochs = num_epochs - first_epoch
-    # Blocks of a few rows: the actor pool hands out whole blocks, so one
-    # block per epoch would leave all but one sampler actor idle (measured:
-    # 2 actors give 1.97x one actor's batches/s with 8-row blocks).
-    rows = epochs * rows_per_epoch
-    ds = ray.data.range(rows, override_num_blocks=max(1, rows // _ROWS_PER_BLOCK))
-    return ds.map_batches(
-        _seed_rows,
-        batch_format="numpy",
-        batch_size=None,
-        fn_kwargs=dict(train_idx=train_idx, rows_per_epoch=rows_per_epoch, first_epoch=first_epoch, seed=seed,
-                       width=math.ceil(len(train_idx) / rows_per_epoch)),
-    )
-
-
-def _seed_rows(rows: dict[str, np.ndarray], *, train_idx: np.ndarray, rows_per_epoch: int, first_epoch: int,
-               seed: int, width: int) -> dict[str, np.ndarray]:
-    row_ids = rows["id"]
-    epochs = first_epoch + row_ids // rows_per_epoch
-    seeds = np.full((len(row_ids), width), -1, dtype=np.int64)
-    batches_of = {int(e): epoch_batches(train_idx, rows_per_epoch, seed, int(e)) for e in np.unique(epochs)}
-    for i, (e, j) in enumerate(zip(epochs.tolist(), (row_ids % rows_per_epoch).tolist())):
-        batch = batches_of[e][j]
-        seeds[i, : len(batch)] = batch
-    return {"epoch": epochs.astype(np.int64), "seeds": seeds}
+    rows = np.arange(first_epoch * plan.rows_per_epoch, num_epochs * plan.rows_per_epoch, dtype=np.int64)
+    return ray.data.from_arrow([pa.table({"row": rows[i:i + _ROWS_PER_BLOCK]})
+                                for i in range(0, len(rows), _ROWS_PER_BLOCK)])

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gnnray import checkpoint
-from gnnray.batch import MiniBatch
+from gnnray.batch import MiniBatch, from_arrow
 from gnnray.config import JobConfig
 from gnnray.embedding import NodeEmbedding
 from gnnray.graph_store import Graph, GraphHandle
@@ -100,7 +100,10 @@ def train_loop(config: dict) -> None:
 
     steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, world)
     shard = ray.train.get_dataset_shard("train")
-    rows = (b["packed"][0] for b in shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1))
+    # Whole blocks, rows sliced out by from_arrow: Ray Data's own per-row
+    # batching costs more than the slicing (docs/performance.md).
+    blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1)
+    rows = (row for block in blocks for row in from_arrow(block))
     evaluator = _Evaluator(graph, cfg, rank, world, device, embedding)
     exported = TrainMetrics(cfg.run.name, rank)
 
@@ -175,7 +178,7 @@ class _Evaluator:
         acc = MulticlassAccuracy(self._graph.num_classes, average="micro").to(self._device)
         net = getattr(model, "module", model)  # no DDP hooks needed without backward
         net.eval()
-        packed = (self._sampler.sample(chunk).pack() for chunk in chunks)
+        packed = (self._sampler.sample(chunk).pack(self._sampler.id_dtype) for chunk in chunks)
         with torch.no_grad(), Prefetcher(packed, self._graph.feat, self._device, self._cfg.train.prefetch) as batches:
             for mb in batches:
                 acc.update(net(mb.blocks(), model_input(mb, self._embedding)).argmax(1), mb.labels)

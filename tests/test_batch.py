@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from gnnray.batch import Layer, MiniBatch
+from gnnray.batch import Layer, MiniBatch, from_arrow, id_dtype, to_arrow
 from gnnray.sampling import Sampler
 
 SEEDS = np.array([1, 5, 7, 30, 12])
@@ -26,34 +26,83 @@ def mb(sampler) -> MiniBatch:
 def assert_batches_equal(a: MiniBatch, b: MiniBatch) -> None:
     assert a.epoch == b.epoch
     assert len(a.layers) == len(b.layers)
+    assert a.labels.dtype == b.labels.dtype == torch.int64  # what the loss needs
     for name in ("seeds", "labels", "input_nodes"):
-        ta, tb = getattr(a, name), getattr(b, name)
-        assert ta.dtype == tb.dtype == torch.int64, name
-        assert torch.equal(ta, tb), name
+        assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
     for la, lb in zip(a.layers, b.layers):
         assert la.num_src == lb.num_src
         assert la.num_dst == lb.num_dst
-        assert torch.equal(la.indptr, lb.indptr)
-        assert torch.equal(la.indices, lb.indices)
+        assert la.indptr.tolist() == lb.indptr.tolist()
+        assert la.indices.tolist() == lb.indices.tolist()
 
 
-def test_pack_unpack_round_trip(mb):
-    packed = mb.pack()
-    assert packed.dtype == np.int64 and packed.ndim == 1
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_pack_unpack_round_trip(mb, dtype):
+    packed = mb.pack(dtype)
+    assert packed.dtype == dtype and packed.ndim == 1
     out = MiniBatch.unpack(torch.from_numpy(packed))
     assert_batches_equal(mb, out)
+    assert out.seeds.dtype == out.input_nodes.dtype == out.layers[0].indices.dtype == torch.from_numpy(packed).dtype
     assert out.epoch == 5
     assert len(out.layers) == 2
     assert out.num_seeds == len(SEEDS)
     assert out.x is None
 
 
+def test_id_dtype_is_int32_while_node_ids_fit():
+    assert id_dtype(169_343) == np.int32
+    assert id_dtype(2**31 - 1) == np.int32
+    assert id_dtype(2**31) == np.int64
+    assert id_dtype(5 * 10**9) == np.int64
+
+
+def test_int64_packing_keeps_ids_beyond_int32(mb):
+    big = MiniBatch(mb.seeds + 2**33, mb.labels, mb.input_nodes + 2**33, mb.layers, epoch=1)
+    out = MiniBatch.unpack(torch.from_numpy(big.pack(id_dtype(2**34))))
+    assert out.seeds.tolist() == (mb.seeds + 2**33).tolist()
+    assert out.input_nodes.tolist() == (mb.input_nodes + 2**33).tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_arrow_rows_round_trip(sampler, dtype):
+    batches = [sampler.sample(np.array(s), epoch=e) for e, s in enumerate([[1, 5], [7], [30, 12, 3], []])]
+    table = to_arrow(batches, np.dtype(dtype))
+    assert table.num_rows == len(batches)
+    rows = list(from_arrow(table))
+    assert len(rows) == len(batches)
+    for want, packed in zip(batches, rows):
+        assert packed.dtype == dtype
+        assert np.array_equal(packed, want.pack(dtype))
+        assert_batches_equal(want, MiniBatch.unpack(torch.from_numpy(packed.copy())))
+
+
+def test_arrow_rows_are_views_of_one_buffer(sampler):
+    table = to_arrow([sampler.sample(np.array([1, 2])), sampler.sample(np.array([3]))], np.dtype(np.int32))
+    values = table.column("packed").chunk(0).values.to_numpy()
+    for packed in from_arrow(table):
+        assert np.shares_memory(packed, values)
+
+
+def test_arrow_rows_of_a_sliced_or_chunked_table(sampler):
+    import pyarrow as pa
+
+    batches = [sampler.sample(np.array([i, i + 1]), epoch=i) for i in range(5)]
+    table = to_arrow(batches, np.dtype(np.int32))
+    # Ray Data hands out slices of blocks and concatenations of them.
+    for part, want in [(table.slice(2, 2), batches[2:4]), (table.slice(4), batches[4:]),
+                       (pa.concat_tables([table.slice(3, 1), table.slice(0, 2)]), [batches[3]] + batches[:2])]:
+        got = [MiniBatch.unpack(torch.from_numpy(p.copy())) for p in from_arrow(part)]
+        assert [g.epoch for g in got] == [w.epoch for w in want]
+        for g, w in zip(got, want):
+            assert_batches_equal(w, g)
+
+
 def test_unpack_returns_views_into_the_packed_buffer(mb):
-    packed = torch.from_numpy(mb.pack())
+    packed = torch.from_numpy(mb.pack(np.int32))
     lo = packed.data_ptr()
     hi = lo + packed.numel() * packed.element_size()
     out = MiniBatch.unpack(packed)
-    tensors = [out.seeds, out.labels, out.input_nodes] + [t for l in out.layers for t in (l.indptr, l.indices)]
+    tensors = [out.seeds, out.input_nodes] + [t for l in out.layers for t in (l.indptr, l.indices)]
     for t in tensors:
         assert t.numel() == 0 or lo <= t.data_ptr() < hi
         assert t.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
@@ -63,10 +112,9 @@ def test_unpack_returns_views_into_the_packed_buffer(mb):
 
 
 def test_unpack_rejects_wrong_dtype(mb):
-    with pytest.raises(ValueError):
-        MiniBatch.unpack(torch.from_numpy(mb.pack().astype(np.int32)))
-    with pytest.raises(ValueError):
-        MiniBatch.unpack(torch.from_numpy(mb.pack().astype(np.float64)))
+    for dtype in (np.int16, np.float32, np.float64):
+        with pytest.raises(ValueError, match="int32 or int64"):
+            MiniBatch.unpack(torch.from_numpy(mb.pack().astype(dtype)))
 
 
 def test_unpack_rejects_wrong_shape(mb):
@@ -132,12 +180,15 @@ def test_blocks_match_layers(mb):
     assert blocks[-1].num_dst_nodes() == mb.num_seeds
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("layer_index", [0, 1])
-def test_block_message_passing_matches_manual(mb, layer_index):
+def test_block_message_passing_matches_manual(mb, layer_index, dtype):
     import dgl.function as fn
 
+    mb = MiniBatch.unpack(torch.from_numpy(mb.pack(dtype)))  # as a train worker gets it
     layer = mb.layers[layer_index]
     block = mb.blocks()[layer_index]
+    assert block.idtype == torch.from_numpy(np.empty(0, dtype)).dtype
     h = torch.randn(layer.num_src, 3)
     block.srcdata["h"] = h
     block.update_all(fn.copy_u("h", "m"), fn.mean("m", "out"))
@@ -147,7 +198,7 @@ def test_block_message_passing_matches_manual(mb, layer_index):
     expected = torch.zeros(layer.num_dst, 3)
     expected_sum = torch.zeros(layer.num_dst, 3)
     for j in range(layer.num_dst):
-        nbrs = layer.indices[layer.indptr[j]:layer.indptr[j + 1]]
+        nbrs = layer.indices[layer.indptr[j]:layer.indptr[j + 1]].long()
         if len(nbrs):
             expected[j] = h[nbrs].mean(0)
             expected_sum[j] = h[nbrs].sum(0)

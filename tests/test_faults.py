@@ -194,16 +194,16 @@ def test_sampler_actor_memory_flat_over_epochs(ray_cluster):
         import psutil
 
         from gnnray.sampling import SamplerActor
-        from gnnray.seeds import epoch_batches
+        from gnnray.seeds import SeedPlan
 
         libc = ctypes.CDLL("libc.so.6")
-        actor = SamplerActor(handle, (5, 5))
+        plan = SeedPlan.for_run(train_idx, 32, 1, 0)
+        actor = SamplerActor(handle, (5, 5), plan)
         uss = []
         for epoch in range(epochs):
-            for batch in epoch_batches(train_idx, 57, 0, epoch):
-                seeds = np.full((1, 32), -1, dtype=np.int64)
-                seeds[0, : len(batch)] = batch
-                actor({"epoch": np.array([epoch]), "seeds": seeds})
+            rows = np.arange(epoch * plan.rows_per_epoch, (epoch + 1) * plan.rows_per_epoch)
+            for block in np.array_split(rows, len(rows) // 8):  # 8-row blocks, as Ray Data hands them out
+                actor({"row": block})
             libc.malloc_trim(0)  # freed allocator caches are not growth
             uss.append(psutil.Process().memory_full_info().uss / 2**20)
         return uss

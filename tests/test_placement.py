@@ -81,13 +81,14 @@ def test_graph_once_per_node_and_read_locally(ray_cluster, nodes):
         class Reader:
             def __init__(self, handle: GraphHandle):
                 from gnnray.sampling import SamplerActor
+                from gnnray.seeds import SeedPlan
 
-                self.actor = SamplerActor(handle, (5, 5))
+                self.actor = SamplerActor(handle, (5, 5), SeedPlan.for_run(np.arange(64), 64, 1, 0))
 
-            def sample_and_locate(self, seeds: np.ndarray) -> dict:
-                out = self.actor({"epoch": np.array([0]), "seeds": seeds[None]})
+            def sample_and_locate(self) -> dict:
+                out = self.actor({"row": np.array([0])})
                 g = self.actor._sampler._graph  # the arrays this actor's sampler reads
-                return dict(node=ray.get_runtime_context().get_node_id(), rows=len(out["packed"]),
+                return dict(node=ray.get_runtime_context().get_node_id(), rows=out.num_rows,
                             indices=mapping_of(g.indices), feat=mapping_of(g.feat),
                             read_only=not (g.indices.flags.writeable or g.feat.flags.writeable))
 
@@ -96,8 +97,7 @@ def test_graph_once_per_node_and_read_locally(ray_cluster, nodes):
     Reader = make_reader()
     head, a, b = nodes
     readers = {node: [Reader.options(scheduling_strategy=_on(node)).remote(handle) for _ in range(2)] for node in (a, b)}
-    seeds = graph.train_idx[:64]
-    seen = {node: ray.get([r.sample_and_locate.remote(seeds) for r in rs], timeout=300) for node, rs in readers.items()}
+    seen = {node: ray.get([r.sample_and_locate.remote() for r in rs], timeout=300) for node, rs in readers.items()}
     driver = handle.get()
 
     for node, reports in seen.items():

@@ -104,31 +104,38 @@ def test_default_epoch_is_evaluation():
     assert Sampler(tiny_graph(), (2,)).sample(np.array([0])).epoch == -1
 
 
-def test_sampler_actor_turns_seed_rows_into_packed_minibatches(ray_cluster):
+def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster):
+    import pyarrow as pa
+
+    from gnnray.batch import from_arrow
     from gnnray.graph_store import publish
+    from gnnray.seeds import SeedPlan
 
     graph = tiny_graph()
     handle = publish(graph)
-    actor = SamplerActor(handle, (3, 2))
-    s0, s1 = int(graph.train_idx[0]), int(graph.train_idx[1])
-    out = actor({"epoch": np.array([3]), "seeds": np.array([[s0, s1, -1, -1]])})
-    assert set(out) == {"packed"}
-    packed = out["packed"]
-    assert isinstance(packed, np.ndarray)
-    assert packed.dtype == np.int64
-    assert packed.ndim == 2 and packed.shape[0] == 1
-    mb = MiniBatch.unpack(torch.from_numpy(packed[0]))
-    assert mb.seeds.tolist() == [s0, s1]
-    assert mb.epoch == 3
-    assert len(mb.layers) == 2
-    check_batch(graph, (3, 2), np.array([s0, s1]), mb)
+    plan = SeedPlan.for_run(graph.train_idx, batch_size=4, num_workers=1, seed=3)
+    actor = SamplerActor(handle, (3, 2), plan)
+    rows = [2, plan.rows_per_epoch + 1, 3 * plan.rows_per_epoch]  # epochs 0, 1, 3: one call, several epochs
+    out = actor({"row": np.array(rows)})
+    assert isinstance(out, pa.Table) and out.column_names == ["packed"] and out.num_rows == len(rows)
+    for row, packed in zip(rows, from_arrow(out)):
+        assert packed.dtype == np.int32  # the tiny graph's ids fit
+        mb = MiniBatch.unpack(torch.from_numpy(packed.copy()))
+        epoch = row // plan.rows_per_epoch
+        want = plan.batches(epoch)[row % plan.rows_per_epoch]
+        assert mb.epoch == epoch
+        assert mb.seeds.tolist() == want.tolist()
+        assert len(mb.layers) == 2
+        check_batch(graph, (3, 2), want, mb)
 
 
-def test_sampler_actor_all_padding_gives_empty_batch(ray_cluster):
+def test_sampler_actor_empty_seed_batch_gives_empty_minibatch(ray_cluster):
+    from gnnray.batch import from_arrow
     from gnnray.graph_store import publish
+    from gnnray.seeds import SeedPlan
 
-    handle = publish(tiny_graph())
-    out = SamplerActor(handle, (2,))({"epoch": np.array([0]), "seeds": np.array([[-1, -1]])})
-    mb = MiniBatch.unpack(torch.from_numpy(out["packed"][0]))
-    assert mb.num_seeds == 0
-    assert mb.epoch == 0
+    graph = tiny_graph()
+    plan = SeedPlan.for_run(graph.train_idx[:1], batch_size=4, num_workers=2, seed=0)  # 1 seed, 2 batches
+    out = SamplerActor(publish(graph), (2,), plan)({"row": np.array([0, 1])})
+    sizes = [MiniBatch.unpack(torch.from_numpy(p.copy())).num_seeds for p in from_arrow(out)]
+    assert sorted(sizes) == [0, 1]

@@ -1,4 +1,4 @@
-"""Tests of gnnray.seeds: per-epoch seed batches, and equal steps per rank through the real pipeline."""
+"""Tests of gnnray.seeds: per-epoch seed batches, the row stream, and equal steps per rank through the real pipeline."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from gnnray.batch import MiniBatch
-from gnnray.seeds import epoch_batches, seed_dataset, steps_per_epoch
+from gnnray.batch import MiniBatch, from_arrow
+from gnnray.seeds import SeedPlan, SeedReader, epoch_batches, seed_dataset, steps_per_epoch
 
 
 @pytest.mark.parametrize("num_seeds, batch_size, workers, expected", [
@@ -56,38 +56,35 @@ def test_epoch_batches_deterministic_and_different_across_epochs():
     assert np.concatenate(a).tolist() != ids.tolist()
 
 
+def test_seed_plan_rows_and_reader():
+    ids = np.arange(1000, 1021, dtype=np.int64)  # 21 ids, 2 ranks of batch 4: 3 steps, 6 rows per epoch
+    plan = SeedPlan.for_run(ids, batch_size=4, num_workers=2, seed=7)
+    assert plan.rows_per_epoch == steps_per_epoch(21, 4, 2) * 2 == 6
+    reader = SeedReader(plan)
+    for epoch in (0, 1, 5):
+        got = [reader.seeds(epoch * 6 + j) for j in range(6)]
+        assert {e for e, _ in got} == {epoch}
+        assert [b.tolist() for _, b in got] == [b.tolist() for b in epoch_batches(ids, 6, 7, epoch)]
+        assert sorted(np.concatenate([b for _, b in got]).tolist()) == ids.tolist()
+    # Going back to an earlier epoch (a restarted actor re-reads rows) still gives its seeds.
+    assert reader.seeds(3)[1].tolist() == plan.batches(0)[3].tolist()
+
+
 def test_seed_dataset_rejects_bad_epochs(ray_cluster):
+    plan = SeedPlan.for_run(np.arange(10), 4, 2, 0)
     with pytest.raises(ValueError):
-        seed_dataset(np.arange(10), 4, 2, first_epoch=3, num_epochs=3, seed=0)
+        seed_dataset(plan, first_epoch=3, num_epochs=3)
     with pytest.raises(ValueError):
-        seed_dataset(np.arange(10), 4, 2, first_epoch=-1, num_epochs=3, seed=0)
+        seed_dataset(plan, first_epoch=-1, num_epochs=3)
 
 
 def test_seed_dataset_rows(ray_cluster):
-    ids = np.arange(1000, 1021, dtype=np.int64)  # 21 ids
-    batch_size, workers = 4, 2
-    steps = steps_per_epoch(len(ids), batch_size, workers)
-    rows = seed_dataset(ids, batch_size=batch_size, num_workers=workers, first_epoch=1, num_epochs=3,
-                        seed=7).take_all()
-    assert len(rows) == steps * workers * 2
-    epochs = [int(r["epoch"]) for r in rows]
-    assert set(epochs) == {1, 2}
-    width = len(rows[0]["seeds"])
-    assert all(len(r["seeds"]) == width for r in rows)
-    for epoch in (1, 2):
-        mine = [np.asarray(r["seeds"]) for r in rows if int(r["epoch"]) == epoch]
-        assert len(mine) == steps * workers
-        real = [s[s >= 0] for s in mine]
-        for r, s in zip(mine, real):  # padding is trailing
-            assert (r[len(s):] == -1).all()
-        assert sorted(np.concatenate(real).tolist()) == ids.tolist()
-        expected = epoch_batches(ids, steps * workers, 7, epoch)
-        assert sorted(map(tuple, (s.tolist() for s in real))) == sorted(map(tuple, (b.tolist() for b in expected)))
-    # (seed, epoch) determines the rows: a second dataset replays them.
-    again = seed_dataset(ids, batch_size=batch_size, num_workers=workers, first_epoch=2, num_epochs=3,
-                         seed=7).take_all()
-    assert sorted(tuple(r["seeds"].tolist()) for r in again) == \
-        sorted(tuple(r["seeds"].tolist()) for r in rows if int(r["epoch"]) == 2)
+    plan = SeedPlan.for_run(np.arange(1000, 1021, dtype=np.int64), batch_size=4, num_workers=2, seed=7)
+    ds = seed_dataset(plan, first_epoch=1, num_epochs=4)
+    rows = [int(r["row"]) for r in ds.take_all()]
+    assert rows == list(range(plan.rows_per_epoch, 4 * plan.rows_per_epoch))  # epochs 1-3, in order
+    # Several small blocks, so that several sampler actors get work.
+    assert ds.materialize().num_blocks() == -(-len(rows) // 8)
 
 
 def test_every_rank_gets_the_same_number_of_steps(ray_cluster):
@@ -103,10 +100,11 @@ def test_every_rank_gets_the_same_number_of_steps(ray_cluster):
     batch_size, workers, epochs = 4, 3, 2
     steps = steps_per_epoch(len(train_idx), batch_size, workers)
     handle = publish(graph)
-    ds = seed_dataset(train_idx, batch_size=batch_size, num_workers=workers, first_epoch=0, num_epochs=epochs,
-                      seed=11)
-    ds = ds.map_batches(SamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=(2, 2)), batch_size=1,
-                        batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1)
+    plan = SeedPlan.for_run(train_idx, batch_size=batch_size, num_workers=workers, seed=11)
+    ds = seed_dataset(plan, first_epoch=0, num_epochs=epochs)
+    ds = ds.map_batches(SamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=(2, 2), plan=plan),
+                        batch_size=None, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=2),
+                        num_cpus=1)
     its = ds.streaming_split(workers, equal=True)
 
     got: dict[int, list[MiniBatch]] = defaultdict(list)
@@ -114,9 +112,8 @@ def test_every_rank_gets_the_same_number_of_steps(ray_cluster):
 
     def consume(rank, it):
         try:
-            for b in it.iter_batches(batch_size=1, batch_format="numpy"):
-                assert b["packed"].shape[0] == 1
-                got[rank].append(MiniBatch.unpack(torch.from_numpy(np.array(b["packed"][0]))))
+            for block in it.iter_batches(batch_size=None, batch_format="pyarrow"):  # as train_loop reads
+                got[rank] += [MiniBatch.unpack(torch.from_numpy(p.copy())) for p in from_arrow(block)]
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
