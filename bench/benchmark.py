@@ -2,8 +2,8 @@
 
 Usage (from the repository root)::
 
-    .venv/bin/python bench/benchmark.py            # full: about 10 minutes on 2 cores
-    .venv/bin/python bench/benchmark.py --quick    # about 3 minutes, fewer batches and epochs
+    .venv/bin/python bench/benchmark.py            # full: about 4 minutes on 2 cores
+    .venv/bin/python bench/benchmark.py --quick    # about 1.5 minutes, fewer batches and epochs
     .venv/bin/python bench/benchmark.py --dataset synthetic --json out.json
 
 It starts one local Ray cluster, measures the five figures of the performance
@@ -880,7 +880,7 @@ def settings_for(args) -> Settings:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer batches and epochs, short epochs (~3 minutes)")
+    p.add_argument("--quick", action="store_true", help="fewer batches and epochs, short epochs (~1.5 minutes)")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write all results")
     p.add_argument("--dataset", default=None,
                    help=f"graph directory, or 'synthetic' (when not given: {DEFAULT_DATASET} if present, else "
