@@ -24,7 +24,7 @@ name                                        kind       meaning
 ``gnnray_sampler_edges``                    counter    edges sampled (all layers of every mini-batch)
 ``gnnray_sampler_minibatches_per_s``        gauge      mini-batches per second over the last few seconds
 ``gnnray_sampler_edges_per_s``              gauge      sampled edges per second over the last few seconds
-``gnnray_sampler_batch_seconds``            histogram  time to sample and pack one mini-batch
+``gnnray_sampler_batch_seconds``            histogram  time to sample one mini-batch
 ==========================================  =========  ==================================================
 
 The per-epoch gauges hold the values of the driver's epoch line: loss,
@@ -114,7 +114,7 @@ class SamplerMetrics:
             edges=("counter", "gnnray_sampler_edges", "Edges sampled, all layers."),
             batches_per_s=("gauge", "gnnray_sampler_minibatches_per_s", "Mini-batches sampled per second."),
             edges_per_s=("gauge", "gnnray_sampler_edges_per_s", "Edges sampled per second."),
-            busy=("histogram", "gnnray_sampler_batch_seconds", "Seconds to sample and pack one mini-batch."),
+            busy=("histogram", "gnnray_sampler_batch_seconds", "Seconds to sample one mini-batch."),
         )
         self._window_s = window_s
         self._start = None  # end time of the call that opened the window

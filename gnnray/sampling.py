@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from gnnray.batch import Layer, MiniBatch, id_dtype, to_arrow
@@ -68,7 +69,7 @@ class SamplerActor:
         self._seeds = SeedReader(plan)
         self._metrics = SamplerMetrics(run)
 
-    def __call__(self, rows: dict[str, np.ndarray]):
+    def __call__(self, rows: dict[str, np.ndarray]) -> pa.Table:
         # A whole block of rows per call, one mini-batch (one output row) per
         # input row: rows stay training steps, so they split evenly across
         # ranks, while Ray Data's per-call work (batch conversion, building
