@@ -139,18 +139,22 @@ class _LayerActor:
                  embedding: Optional[list], output_path: Optional[str], with_embeddings: bool):
         import ray
 
-        g = graph.get()
-        if input_path is None:  # layer 0: features from the store, plus the embedding table if any
-            inputs = [g.feat] + ([ray.get(embedding[0])] if embedding else [])
-        else:
-            inputs = [np.load(input_path, mmap_mode="r")]
-        self._runner = LayerRunner(g, ray.get(model[0]), layer, inputs)
-        self._out = output_path
-        if output_path:  # where row 0 starts: after the .npy header
-            self._offset = np.load(output_path, mmap_mode="r").offset
+        self._graph, self._model, self._layer = graph.get(), ray.get(model[0]), layer
+        self._in, self._out, self._offset = input_path, output_path, 0
         self._with_embeddings = with_embeddings
+        self._runner = None
+        if input_path is None:  # layer 0: features from the store, plus the embedding table if any
+            inputs = [self._graph.feat] + ([ray.get(embedding[0])] if embedding else [])
+            self._runner = LayerRunner(self._graph, self._model, layer, inputs)
 
     def __call__(self, batch: dict) -> dict:
+        if self._runner is None:
+            # The files are opened at the first batch, not at start-up: an actor
+            # the pool starts as the layer finishes never gets a batch, and the
+            # driver may already have removed the files by then.
+            self._runner = LayerRunner(self._graph, self._model, self._layer, [np.load(self._in, mmap_mode="r")])
+        if self._out is not None and not self._offset:  # where row 0 starts: after the .npy header
+            self._offset = np.load(self._out, mmap_mode="r").offset
         ids = np.asarray(batch["id"], dtype=np.int64)
         h, x = self._runner(ids)
         if self._out is not None:

@@ -156,3 +156,18 @@ def test_layerwise_needs_a_per_layer_model(tmp_path):
     assert not inference.supports_layerwise(Plain())
     with pytest.raises(ValueError, match="layer"):
         inference.run(graph, None, Plain())
+
+
+def test_layer_actor_opens_its_files_at_the_first_batch(ray_cluster, tmp_path):
+    """An actor that starts as its layer ends (and gets no batch) must not fail on files already removed."""
+    import ray
+
+    graph = tiny_graph()
+    model = build_model(graph.feat_dim, graph.num_classes, 2, 8, 0.0).eval()
+    removed = str(tmp_path / "layer0.npy")  # the driver removed it after the layer: the actor starts anyway
+    actor = inference._LayerActor(publish(graph), [ray.put(model)], 1, removed, None, None, False)
+    with pytest.raises(FileNotFoundError):  # a batch would need it
+        actor({"id": np.arange(4)})
+    np.save(removed, np.zeros((graph.num_nodes, 8), dtype=np.float32))
+    out = actor({"id": np.arange(4)})
+    assert out["id"].tolist() == [0, 1, 2, 3] and out["pred"].shape == (4,)
