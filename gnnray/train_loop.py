@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
