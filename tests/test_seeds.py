@@ -87,6 +87,17 @@ def test_seed_dataset_rows(ray_cluster):
     assert ds.materialize().num_blocks() == -(-len(rows) // 8)
 
 
+def test_seed_dataset_caps_its_block_count(ray_cluster, monkeypatch):
+    """Long runs get larger blocks instead of more of them (each block is one put on the driver)."""
+    import gnnray.seeds
+
+    monkeypatch.setattr(gnnray.seeds, "_MAX_BLOCKS", 5)
+    plan = SeedPlan.for_run(np.arange(100), batch_size=4, num_workers=2, seed=0)  # 26 rows per epoch
+    ds = seed_dataset(plan, first_epoch=0, num_epochs=4)
+    assert ds.num_blocks() == 5
+    assert [int(r["row"]) for r in ds.take_all()] == list(range(4 * 26))
+
+
 def test_every_rank_gets_the_same_number_of_steps(ray_cluster):
     """Every rank takes the same number of optimizer steps each epoch, through the job's real pipeline."""
     import ray
