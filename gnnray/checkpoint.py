@@ -111,7 +111,9 @@ def corrupt_reason(directory: str, extra_keys: Sequence[str] = ()) -> Optional[s
     if info is None:
         return None
     try:
-        state = load_state(directory)
+        # Memory-mapped: the check reads the pickled structure, not every
+        # tensor's bytes; with learned embeddings a state can be gigabytes.
+        state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", mmap=True)
     except Exception as exc:  # torch.load raises many types on damaged files
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return f"{STATE_FILE} does not load ({type(exc).__name__}: {first})"
