@@ -29,10 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Blocks of a few rows: the actor pool hands out whole blocks, so one block
-# per epoch would leave all but one sampler actor idle (measured: 2 actors
-# give 1.97x one actor's batches/s with 8-row blocks).
-_ROWS_PER_BLOCK = 8
+# A block is one sampler-actor call. Ray Data's work per call (~12 ms here:
+# task dispatch, the memory-poll thread, output metadata, the object-store
+# put) is spread over its rows: 1.3-1.7 ms per batch with 8 rows, 0.6-1.0 ms
+# with 16, and no less with 32 (docs/performance.md). Blocks are also the
+# units the pool shares out, so they stay small: one block per epoch left all
+# but one actor idle.
+_ROWS_PER_BLOCK = 16
 # ...but at most this many blocks: each is one ray.put on the driver (~0.5 ms),
 # so a 100-epoch run on 8 workers of papers100M (118k rows) builds in ~2 s.
 _MAX_BLOCKS = 4096
@@ -101,5 +104,5 @@ def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int):
     rows = np.arange(first_epoch * plan.rows_per_epoch, num_epochs * plan.rows_per_epoch, dtype=np.int64)
     per_block = max(_ROWS_PER_BLOCK, math.ceil(len(rows) / _MAX_BLOCKS))
     # from_blocks, not from_arrow: from_arrow runs a Ray task per block to read
-    # its metadata (32 s for those 118k rows in 8-row blocks here).
+    # its metadata (32 s for 118k rows in 8-row blocks here).
     return ray.data.from_blocks([pa.table({"row": rows[i:i + per_block]}) for i in range(0, len(rows), per_block)])

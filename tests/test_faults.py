@@ -202,7 +202,7 @@ def test_sampler_actor_memory_flat_over_epochs(ray_cluster):
         uss = []
         for epoch in range(epochs):
             rows = np.arange(epoch * plan.rows_per_epoch, (epoch + 1) * plan.rows_per_epoch)
-            for block in np.array_split(rows, len(rows) // 8):  # 8-row blocks, as Ray Data hands them out
+            for block in np.array_split(rows, max(1, len(rows) // 16)):  # 16-row blocks, as Ray Data hands them out
                 actor({"row": block})
             libc.malloc_trim(0)  # freed allocator caches are not growth
             uss.append(psutil.Process().memory_full_info().uss / 2**20)

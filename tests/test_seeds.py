@@ -79,12 +79,16 @@ def test_seed_dataset_rejects_bad_epochs(ray_cluster):
 
 
 def test_seed_dataset_rows(ray_cluster):
-    plan = SeedPlan.for_run(np.arange(1000, 1021, dtype=np.int64), batch_size=4, num_workers=2, seed=7)
+    import gnnray.seeds
+
+    plan = SeedPlan.for_run(np.arange(1000, 1061, dtype=np.int64), batch_size=4, num_workers=2, seed=7)
     ds = seed_dataset(plan, first_epoch=1, num_epochs=4)
     rows = [int(r["row"]) for r in ds.take_all()]
     assert rows == list(range(plan.rows_per_epoch, 4 * plan.rows_per_epoch))  # epochs 1-3, in order
     # Several small blocks, so that several sampler actors get work.
-    assert ds.materialize().num_blocks() == -(-len(rows) // 8)
+    per_block = gnnray.seeds._ROWS_PER_BLOCK
+    assert len(rows) > 2 * per_block
+    assert ds.materialize().num_blocks() == -(-len(rows) // per_block)
 
 
 def test_seed_dataset_caps_its_block_count(ray_cluster, monkeypatch):
