@@ -479,24 +479,19 @@ def bench_sampler_overhead(graph: Graph, handle, seed_ids: np.ndarray, s: Settin
     except Exception as exc:  # noqa: BLE001 - recorded in the table
         rows.append(error_row("sampler actor batches/s (k=1)", target, exc))
 
-    def ratios(plains: list, key: str, invert: bool = False) -> list[float]:
-        """Each pipeline against the mean of the plain loops just before and after it."""
-        out = []
-        for i, m in enumerate(ones):
-            base = statistics.mean(p[key] for p in plains[i:i + 2])
-            out.append(base / m["cpu_ms"] if invert else m["per_actor_batches_per_s"] / base)
-        return out
-
-    for figure, plains, unit in (("sampler actor batches/s (k=1)", plain, "b/s"),
-                                 ("sampler CPU ms/batch (k=1)", plain, "ms"),
-                                 ("sampler k=1 vs plain loop in a Ray worker", in_worker, "b/s")):
+    rate, cpu = ("per_actor_batches_per_s", "batches_per_s", "b/s"), ("cpu_ms", "cpu_ms", "ms")
+    for figure, plains, (ours_key, base_key, unit) in (("sampler actor batches/s (k=1)", plain, rate),
+                                                       ("sampler CPU ms/batch (k=1)", plain, cpu),
+                                                       ("sampler k=1 vs plain loop in a Ray worker", in_worker, rate)):
         if not ones:
             break
-        key = "batches_per_s" if unit == "b/s" else "cpu_ms"
-        got = ratios(plains, key, invert=unit == "ms")
-        ours = statistics.median(m["per_actor_batches_per_s" if unit == "b/s" else "cpu_ms"] for m in ones)
+        got = []  # each pipeline against the mean of the plain loops just before and after it; > 1 is faster
+        for i, m in enumerate(ones):
+            base = statistics.mean(p[base_key] for p in plains[i:i + 2])
+            got.append(m[ours_key] / base if unit == "b/s" else base / m[ours_key])
         ratio = statistics.median(got)
-        rows.append(Row(figure, ours=f"{ours:.1f} {unit}", baseline=f"{statistics.median(p[key] for p in plains):.1f} {unit}",
+        rows.append(Row(figure, ours=f"{statistics.median(m[ours_key] for m in ones):.1f} {unit}",
+                        baseline=f"{statistics.median(p[base_key] for p in plains):.1f} {unit}",
                         ratio=f"{ratio:.2f}x", target=target, met=verdict(ratio >= 0.9),
                         detail=dict(baselines=plains, pipelines=ones, ratios=got)))
 

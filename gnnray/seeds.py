@@ -4,7 +4,7 @@ Input: the training split's node ids. Output: a :class:`SeedPlan` (which
 seeds each step samples) and a Ray Data dataset with one row per (epoch,
 step, rank) holding only the row's number, ``row = epoch * rows_per_epoch +
 j``, covering every epoch of the run in order. The sampler actor turns a row
-number into its seeds with :meth:`SeedPlan.seeds`.
+number into its seeds with :meth:`SeedReader.seeds`.
 
 Why row numbers and not seeds: the dataset is built from in-memory blocks
 (``ray.data.from_blocks``), so it runs no Ray tasks. Computing the seeds in
