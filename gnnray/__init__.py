@@ -1,25 +1,34 @@
 """gnnray: GNN training on Ray, the graph held once per node.
 
-One mini-batch meets the stages in this order (one module each):
+A folder says where its code runs; one mini-batch meets these files in order:
 
-==================  =====================  ===================================================
-module              runs on                output
-==================  =====================  ===================================================
-``config``          driver                 frozen ``JobConfig`` from the command line
-``datasets``        driver                 validated numpy ``Graph`` (in-edge CSC, features)
-``graph_store``     driver                 ``GraphHandle``: the graph once in the object store
-``seeds``           driver                 ``SeedPlan`` + dataset of row numbers, all epochs
-``sampling``        sampler actors         Arrow rows of packed ``MiniBatch`` (``batch``)
-``prefetch``        train worker thread    ``MiniBatch`` with features, on the device
-``model``           train worker           logits
-``train_loop``      train worker           loss, metrics and checkpoints via ``ray.train``
-==================  =====================  ===================================================
+====  ==========================  ======================  =============================================
+step  file                        runs on                 output
+====  ==========================  ======================  =============================================
+0     ``config.py``               driver                  frozen ``JobConfig`` from the command line
+1     ``data/load.py``            driver                  validated numpy ``Graph`` (in-edge CSC, features)
+2     ``data/store.py``           driver, read by all     ``GraphHandle``: the graph once per node, zero-copy
+3     ``pipeline/seeds.py``       driver, sampler actors  ``SeedPlan`` + dataset of row numbers, all epochs
+4     ``pipeline/sampler.py``     sampler actors          packed ``MiniBatch`` rows (``pipeline/batch.py``)
+5     ``pipeline/prefetch.py``    train worker thread     ``MiniBatch`` with features, on the device
+6     ``train/model.py``          train worker            logits
+7     ``train/loop.py``           train worker            loss, optimizer step; ``train/evaluate.py``,
+                                                          then ``train/report.py``: metrics, checkpoint
+====  ==========================  ======================  =============================================
 
-``job`` is the driver that wires them; ``cluster`` checks on the driver that
-the cluster can ever run the job; ``checkpoint`` reads and writes
-checkpoints; ``metrics`` exports Prometheus metrics from workers and sampler
-actors; ``errors`` holds the user-facing exceptions. ``embedding`` is the
-learnable node input of ``--embedding-dim`` (train worker); ``inference`` is
-layer-wise full-neighbor prediction after training and in ``jobs/predict.py``
-(driver, Ray Data actors).
+- ``data/``: the graph type (``graph.py``), its readers (``synthetic.py``,
+  ``ogb.py``, ``graph_dir.py``), the one CSC builder (``csc.py``), its checks
+  (``validate.py``) and its place in the object store (``store.py``).
+- ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
+  wire format, ``stream.py`` builds the Ray Data stream in one place.
+- ``train/``: what a Ray Train worker runs, plus ``embedding.py`` (``--embedding-dim``)
+  and ``checkpoint.py`` (written by rank 0, chosen by the driver).
+- ``driver/``: ``cli.py`` (exit codes) -> ``fit.py`` (resume, restarts, final
+  evaluation); ``launch.py`` (init Ray, load, publish; shared with
+  ``predict.py``), ``preflight.py`` (storage and cluster checks),
+  ``console.py`` (what a run prints), ``failures.py`` (one-line failure text).
+- ``inference/layerwise.py``: exact layer-wise prediction after training and in
+  ``jobs/predict.py`` (driver, Ray Data actors).
+- Shared by all: ``config.py``, ``errors.py`` (user-facing exceptions),
+  ``metrics.py`` (Prometheus metrics of workers and sampler actors).
 """

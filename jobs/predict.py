@@ -16,7 +16,7 @@ import sys
 # --working-dir .`) without installing it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gnnray.inference import main  # noqa: E402
+from gnnray.driver.predict import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

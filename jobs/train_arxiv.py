@@ -1,4 +1,4 @@
-"""Train GraphSAGE node classification on a Ray cluster.
+"""Train GNN node classification on a Ray cluster.
 
 Local:           python jobs/train_arxiv.py --dataset synthetic --epochs 3
 On a cluster:    ray job submit --working-dir . -- python jobs/train_arxiv.py
@@ -12,7 +12,7 @@ import sys
 # --working-dir .`) without installing it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gnnray.job import main  # noqa: E402
+from gnnray.driver.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

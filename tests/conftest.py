@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gnnray.graph_store import Graph, csc_from_edges
+from gnnray.data.csc import csc_from_edges
+from gnnray.data.graph import Graph
 
 os.environ.setdefault("DGLBACKEND", "pytorch")
 os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's dependency asks PyPI for updates (no internet here)

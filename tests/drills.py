@@ -21,9 +21,10 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from gnnray import checkpoint
+from gnnray.train import checkpoint
 from gnnray.config import parse_args
-from gnnray.job import METRICS_LOG, run
+from gnnray.driver.fit import run
+from gnnray.train.report import METRICS_LOG
 
 REPO = Path(__file__).resolve().parents[1]
 # Small and quick, but with enough steps (1800 train seeds / (32 x 2)) that an
@@ -44,7 +45,7 @@ def logged(storage: Path, name: str) -> list[dict]:
 
 
 class JobThread:
-    """``gnnray.job.run`` in a background thread of this process (it shares the session's Ray connection)."""
+    """``gnnray.driver.fit.run`` in a background thread of this process (it shares the session's Ray connection)."""
 
     def __init__(self, argv: list[str], model_factory: Optional[Callable] = None):
         self.summary = None
@@ -147,13 +148,13 @@ def own_stderr(err: str) -> str:
 
 def write_checkpoints(run_dir: Path, args: list[str], epochs: list[int]) -> list[Path]:
     """Checkpoints as rank 0 writes them (same model, optimizer and format), without training."""
-    from gnnray.datasets import load_graph
-    from gnnray.train_loop import default_model
+    from gnnray.data.load import load_graph
+    from gnnray.train.model import model_for
 
     cfg = parse_args(args)
     graph = load_graph(cfg.data)
     torch.manual_seed(0)
-    model = default_model(graph.feat_dim, graph.num_classes, cfg)
+    model = model_for(graph.feat_dim, graph.num_classes, cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
     dirs = []
     for epoch in epochs:

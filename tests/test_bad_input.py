@@ -19,10 +19,10 @@ import torch
 from ray import cloudpickle
 
 from drills import SMALL, JobThread, logged, own_stderr
-from gnnray import cluster
+from gnnray.driver import preflight as cluster
 from gnnray.config import parse_args
 from gnnray.errors import ClusterError
-from gnnray.job import main
+from gnnray.driver.cli import main
 
 # The custom model below must reach the workers by value: tests/ is not on their path.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -225,7 +225,7 @@ def test_check_resources_accepts(args, nodes):
 
 def test_autoscaling_cluster_waits_instead(ray_cluster, monkeypatch, capsys):
     """A cluster whose autoscaler may add nodes is not rejected: the driver says what it waits for."""
-    from gnnray.job import _resolve_gpu
+    from gnnray.driver.launch import resolve_gpu as _resolve_gpu
 
     assert not cluster.autoscaling()  # the session's cluster has no autoscaler
     monkeypatch.setattr(cluster, "autoscaling", lambda: True)
@@ -260,8 +260,8 @@ def test_writes_to_the_shared_graph_fail_loudly(ray_cluster):
     """Drill 10: writes through numpy raise, through torch or ctypes kill the writer; other readers see no change."""
     import ray
 
-    from gnnray.datasets import make_synthetic
-    from gnnray.graph_store import publish
+    from gnnray.data.synthetic import make_synthetic
+    from gnnray.data.store import publish
 
     graph = make_synthetic(4000, 4, 32, 5, seed=0)  # ~0.7 MiB: in the shared store, not inlined
     handle = publish(graph)
@@ -309,8 +309,8 @@ def test_read_only_alias_is_unmapped_with_its_last_view(ray_cluster):
     """The read-only mappings ``get`` makes live exactly as long as views on them."""
     import gc
 
-    from gnnray.datasets import make_synthetic
-    from gnnray.graph_store import publish
+    from gnnray.data.synthetic import make_synthetic
+    from gnnray.data.store import publish
 
     def read_only_store_bytes() -> int:
         total = 0

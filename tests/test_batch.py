@@ -1,4 +1,4 @@
-"""Tests of gnnray.batch: the packed MiniBatch format, device moves and DGL blocks."""
+"""Tests of gnnray.pipeline.batch: the packed MiniBatch format, device moves and DGL blocks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from gnnray.batch import Layer, MiniBatch, from_arrow, id_dtype, to_arrow
-from gnnray.sampling import Sampler
+from gnnray.pipeline.batch import Layer, MiniBatch, from_arrow, id_dtype, to_arrow
+from gnnray.pipeline.sampler import Sampler
 
 SEEDS = np.array([1, 5, 7, 30, 12])
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from gnnray import checkpoint
+from gnnray.train import checkpoint
 
 
 def trained_model(seed: int = 0):

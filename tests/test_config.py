@@ -47,8 +47,7 @@ def test_every_flag_maps_to_its_field(tmp_path):
     assert (cfg.sampler.actors_min, cfg.sampler.actors_max) == (2, 5)
     assert cfg.run.name == "run-x"
     assert cfg.run.storage_path == str(tmp_path / "runs")
-    assert cfg.train.seed == 42
-    assert cfg.data.seed == 42
+    assert cfg.run.seed == 42
     assert cfg.run.max_failures == 2
 
 
@@ -108,3 +107,36 @@ def test_help_mentions_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in FLAGS:
         assert flag in out, flag
+
+
+def test_every_field_is_one_flag_with_help(capsys):
+    """The parser is generated from the fields: each field has exactly one flag, documented in --help."""
+    from gnnray.config import _sections, flag_of
+
+    flags = [flag_of(f) for _, cls in _sections() for f in dataclasses.fields(cls)]
+    assert len(flags) == len(set(flags))
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in flags:
+        assert flag in out, flag
+
+
+def test_configs_built_in_code_are_checked_too():
+    from gnnray.config import SamplerConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match="--batch-size 0"):
+        SamplerConfig(batch_size=0)
+    with pytest.raises(ConfigError, match="--eval 'exact'"):
+        TrainConfig(eval="exact")
+
+
+def test_from_dict_reads_configurations_of_older_checkpoints():
+    from gnnray.config import from_dict
+
+    cfg = from_dict({"data": {"add_reverse_edges": True, "seed": 5, "gone": 1},
+                     "sampler": {"actors_min": 2, "actors_max": 3, "fanouts": [5, 5]}, "train": {"seed": 7}})
+    assert cfg.data.reverse_edges is True
+    assert cfg.sampler.actors == (2, 3) and cfg.sampler.fanouts == (5, 5)
+    assert cfg.run.seed == 7
+    assert from_dict(dataclasses.asdict(cfg)) == cfg

@@ -17,9 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from gnnray.config import DataConfig
-from gnnray.datasets import load_graph, make_synthetic, validate
+from gnnray.data.load import load_graph
+from gnnray.data.synthetic import make_synthetic
+from gnnray.data.validate import validate
 from gnnray.errors import DatasetError
-from gnnray.graph_store import Graph
+from gnnray.data.graph import Graph
 
 # find_spec, not importorskip: importing ogb here would start its PyPI version
 # check, which gnnray.datasets suppresses when it imports ogb itself.
@@ -70,7 +72,8 @@ def write_graph_dir(tmp_path: Path, edges: dict | None = None, nodes: dict | Non
 
 
 def load_dir(path: Path, **kw) -> Graph:
-    return load_graph(DataConfig(dataset=str(path), **kw))
+    seed = kw.pop("seed", 0)
+    return load_graph(DataConfig(dataset=str(path), **kw), seed)
 
 
 def edge_set(g: Graph) -> set:
@@ -96,7 +99,7 @@ def test_graph_dir_places_rows_by_id(tmp_path):
 
 def test_graph_dir_reverse_edges_and_self_loops(tmp_path):
     path = write_graph_dir(tmp_path)
-    g = load_dir(path, add_reverse_edges=True, add_self_loops=True)
+    g = load_dir(path, reverse_edges=True, self_loops=True)
     ring = {(v, (v + 1) % 6) for v in range(6)}
     assert edge_set(g) == ring | {(b, a) for a, b in ring} | {(v, v) for v in range(6)}
     assert g.num_edges == 18
@@ -297,10 +300,10 @@ def test_synthetic_graph_is_learnable_undirected_and_skewed():
 
 def test_load_synthetic_applies_options():
     cfg = DataConfig(dataset="synthetic", synthetic_nodes=500, synthetic_classes=4, synthetic_feat_dim=8,
-                     synthetic_avg_degree=6, seed=2)
-    plain = load_graph(cfg)
+                     synthetic_avg_degree=6)
+    plain = load_graph(cfg, seed=2)
     assert (plain.num_nodes, plain.feat_dim, plain.num_classes) == (500, 8, 4)
-    looped = load_graph(dataclasses.replace(cfg, add_self_loops=True, add_reverse_edges=True))
+    looped = load_graph(dataclasses.replace(cfg, self_loops=True, reverse_edges=True), seed=2)
     assert looped.num_edges == plain.num_edges + 500
 
 
@@ -321,7 +324,7 @@ def test_cora():
     assert (g.train_idx.size, g.valid_idx.size, g.test_idx.size) == (140, 500, 1000)
     assert g.name == "cora" and g.feat.any()
     # Cora is stored with both directions: reverse edges add nothing.
-    assert load_graph(DataConfig(dataset=str(SHARED / "cora"), add_reverse_edges=True)).num_edges == 10556
+    assert load_graph(DataConfig(dataset=str(SHARED / "cora"), reverse_edges=True)).num_edges == 10556
 
 
 @needs_shared
@@ -332,7 +335,7 @@ def test_arxiv_structure_needs_random_features():
     g = load_graph(DataConfig(dataset=path, random_features=8))
     assert (g.num_nodes, g.num_edges, g.feat_dim, g.num_classes) == (169_343, 1_166_243, 8, 40)
     assert (g.train_idx.size, g.valid_idx.size, g.test_idx.size) == (90_941, 29_799, 48_603)
-    both = load_graph(DataConfig(dataset=path, random_features=8, add_reverse_edges=True))
+    both = load_graph(DataConfig(dataset=path, random_features=8, reverse_edges=True))
     # Doubled, less the pairs already stored in both directions.
     assert 0.98 * 2 * g.num_edges < both.num_edges <= 2 * g.num_edges
     np.testing.assert_array_equal(both.feat, g.feat)
@@ -388,7 +391,7 @@ def test_ogb_arxiv_reads_local_files(tmp_path, no_network, release, caplog):
     assert builtins.input.__module__ == "builtins"  # the stdin guard was undone
     # Without RELEASE_v1.txt ogb asks whether to delete and re-download: answered no.
     assert ("Will you update the dataset now" in caplog.text) == (not release)
-    assert load_graph(DataConfig(dataset="ogbn-arxiv", data_dir=str(tmp_path), add_reverse_edges=False)).num_edges == 30
+    assert load_graph(DataConfig(dataset="ogbn-arxiv", data_dir=str(tmp_path), reverse_edges=False)).num_edges == 30
 
 
 @needs_ogb

@@ -14,10 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gnnray import checkpoint
+from gnnray.train import checkpoint
 from gnnray.config import DataConfig, parse_args
-from gnnray.datasets import load_graph, make_synthetic
-from gnnray.embedding import NodeEmbedding
+from gnnray.data.load import load_graph
+from gnnray.data.synthetic import make_synthetic
+from gnnray.train.embedding import NodeEmbedding
 from gnnray.errors import DatasetError
 
 N, DIM, LR = 30, 4, 0.1
@@ -127,7 +128,7 @@ def test_featureless_job_learns_from_structure(ray_cluster, tmp_path):
 
     This is also the test that GCN trains through the job (GAT's is in tests/test_model.py).
     """
-    from gnnray.job import run
+    from gnnray.driver.fit import run
 
     path = write_featureless_dir(tmp_path / "g")
     cfg = parse_args(["--dataset", str(path), "--embedding-dim", "16", "--embedding-lr", "0.05", "--epochs", "3",

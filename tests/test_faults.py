@@ -118,7 +118,7 @@ def test_node_lost_mid_run(cluster, ray_cluster, tmp_path, max_failures):
     else:
         import ray.train
 
-        from gnnray.job import _one_line
+        from gnnray.driver.failures import one_line as _one_line
 
         assert isinstance(job.error, ray.train.TrainingFailedError), repr(job.error)
         assert f"({setup.node_id[:8]})" in _one_line(job.error), _one_line(job.error)
@@ -147,7 +147,7 @@ def test_exception_on_one_rank_ends_the_run(ray_cluster, tmp_path):
     """Drill 11: an exception on rank 1 ends the run with that error, not after a collective timeout (30 min)."""
     import ray.train
 
-    from gnnray.job import _one_line
+    from gnnray.driver.failures import one_line as _one_line
 
     job = JobThread(SMALL + ["--epochs", "2", "--max-failures", "0", "--storage-path", str(tmp_path), "--name", "d11"],
                     model_factory=lambda f, c, _cfg: _FailsOnRank1(f, c))
@@ -182,8 +182,8 @@ def test_sampler_actor_memory_flat_over_epochs(ray_cluster):
     """
     import ray
 
-    from gnnray.datasets import make_synthetic
-    from gnnray.graph_store import publish
+    from gnnray.data.synthetic import make_synthetic
+    from gnnray.data.store import publish
 
     graph = make_synthetic(3000, 8, 16, 10, seed=0)
     handle = publish(graph)
@@ -193,8 +193,8 @@ def test_sampler_actor_memory_flat_over_epochs(ray_cluster):
 
         import psutil
 
-        from gnnray.sampling import SamplerActor
-        from gnnray.seeds import SeedPlan
+        from gnnray.pipeline.sampler import SamplerActor
+        from gnnray.pipeline.seeds import SeedPlan
 
         libc = ctypes.CDLL("libc.so.6")
         plan = SeedPlan.for_run(train_idx, 32, 1, 0)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from gnnray.graph_store import Graph, csc_from_edges, publish, to_dgl
+from gnnray.data.csc import csc_from_edges
+from gnnray.data.graph import Graph
+from gnnray.data.store import publish, to_dgl
 
 ARRAYS = ("indptr", "indices", "feat", "label", "train_idx", "valid_idx", "test_idx")
 

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from conftest import shared_dataset, tiny_graph
-from gnnray import checkpoint, inference
+from gnnray.train import checkpoint
+from gnnray.driver import predict
+from gnnray.inference import layerwise as inference
 from gnnray.config import parse_args
-from gnnray.graph_store import publish
-from gnnray.model import build_model
+from gnnray.data.store import publish
+from gnnray.train.model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,7 +80,7 @@ def _full_block(graph):
 @pytest.fixture(scope="module")
 def cora_run(ray_cluster, tmp_path_factory):
     """One SAGE training run on cora with --eval layerwise (the sampled test accuracy is kept beside it)."""
-    from gnnray.job import run
+    from gnnray.driver.fit import run
 
     cora = shared_dataset("cora")
     storage = tmp_path_factory.mktemp("runs")
@@ -113,7 +115,7 @@ def test_predict_script_writes_parquet(cora_run, ray_cluster, tmp_path):
     np.testing.assert_array_equal(ids, np.arange(2708))
     assert table.schema.field("embedding").type.list_size == 64  # the hidden layer's width
     from gnnray.config import DataConfig
-    from gnnray.datasets import load_graph
+    from gnnray.data.load import load_graph
 
     graph = load_graph(DataConfig(dataset=str(shared_dataset("cora"))))
     assert np.mean(pred[graph.test_idx] == graph.label[graph.test_idx]) == pytest.approx(summary.test_acc)
@@ -121,7 +123,7 @@ def test_predict_script_writes_parquet(cora_run, ray_cluster, tmp_path):
 
 
 def test_predict_rejects_bad_checkpoints(tmp_path, capsys):
-    assert inference.main(["--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "p.parquet")]) == 2
+    assert predict.main(["--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "p.parquet")]) == 2
     assert "no valid checkpoint" in capsys.readouterr().err
 
     # A checkpoint written without a configuration (as before this version) is named as such.
@@ -129,7 +131,7 @@ def test_predict_rejects_bad_checkpoints(tmp_path, capsys):
     ckpt = tmp_path / "checkpoint_old"
     ckpt.mkdir()
     checkpoint.save(str(ckpt), model, torch.optim.Adam(model.parameters()), {"epoch": 0, "best_val_acc": 0.5})
-    assert inference.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "p.parquet")]) == 2
+    assert predict.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "p.parquet")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gnnray: error:") and "no job configuration" in err and "Traceback" not in err
 

@@ -13,7 +13,9 @@ import pytest
 
 from conftest import shared_dataset
 from gnnray.config import parse_args
-from gnnray.job import METRICS_LOG, main, run
+from gnnray.driver.cli import main
+from gnnray.driver.fit import run
+from gnnray.train.report import METRICS_LOG
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16",

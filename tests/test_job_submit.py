@@ -152,7 +152,7 @@ def test_submitted_job_succeeds_and_logs_epochs(head, tmp_path):
     pkg_dirs = [p for p in Path(head.temp).glob("session_2*/runtime_resources/working_dir_files/*") if p.is_dir()]
     assert len(pkg_dirs) == 1, pkg_dirs
     files = [p.relative_to(pkg_dirs[0]) for p in pkg_dirs[0].rglob("*") if p.is_file()]
-    assert Path("jobs/train_arxiv.py") in files and Path("gnnray/job.py") in files
+    assert Path("jobs/train_arxiv.py") in files and Path("gnnray/driver/fit.py") in files
     assert not [f for f in files if f.parts[0] in (".venv", ".git", "bench-results", "outputs")]
     assert sum((pkg_dirs[0] / f).stat().st_size for f in files) < 5 * 2**20
 

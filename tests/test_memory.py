@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gnnray.datasets import make_synthetic
-from gnnray.graph_store import Graph, GraphHandle, publish
+from gnnray.data.synthetic import make_synthetic
+from gnnray.data.graph import Graph
+from gnnray.data.store import GraphHandle, publish
 
 
 def test_graph_is_held_once_per_node(ray_cluster):
@@ -25,7 +26,7 @@ def test_graph_is_held_once_per_node(ray_cluster):
 
         import psutil
 
-        from gnnray.sampling import Sampler
+        from gnnray.pipeline.sampler import Sampler
 
         libc = ctypes.CDLL("libc.so.6")
 

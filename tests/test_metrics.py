@@ -11,9 +11,10 @@ import uuid
 import pytest
 
 from gnnray.config import parse_args
-from gnnray.datasets import load_graph
-from gnnray.job import epoch_line, run
-from gnnray.seeds import steps_per_epoch
+from gnnray.data.load import load_graph
+from gnnray.driver.console import epoch_line
+from gnnray.driver.fit import run
+from gnnray.pipeline.seeds import steps_per_epoch
 
 EPOCHS, WORKERS, BATCH, FANOUTS = 2, 2, 128, (5, 5)
 ARGS = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts",
@@ -155,12 +156,12 @@ def test_epoch_printer_eta(tmp_path, capsys):
     """Before a second line arrives, the ETA is the epochs left times rank 0's epoch time; none after the last."""
     import json
 
-    from gnnray.job import _EpochPrinter
+    from gnnray.driver.console import EpochPrinter
 
     log = tmp_path / "metrics.jsonl"
     m = dict(epoch=0, loss=1.0, train_acc=0.5, val_acc=0.5, seeds_per_s=100.0, data_wait=0.1, epoch_time=10.0)
     log.write_text(json.dumps(dict(m, epoch=-1)) + "\n")  # before the printer starts: a resumed run's, not printed
-    with _EpochPrinter(str(log), epochs=3):
+    with EpochPrinter(str(tmp_path), epochs=3, bar=False):
         with log.open("a") as f:  # prints at the latest when it stops
             f.write(json.dumps(m) + "\n" + json.dumps(dict(m, epoch=2, test_acc=0.5)) + "\n")
     first, last = capsys.readouterr().out.splitlines()

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_graph
 from gnnray.config import parse_args
-from gnnray.model import GAT, GCN, GraphSAGE, build_model
-from gnnray.sampling import Sampler
-from gnnray.train_loop import default_model
+from gnnray.train.model import GAT, GCN, GraphSAGE, build_model
+from gnnray.pipeline.sampler import Sampler
+from gnnray.train.model import model_for
 
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-nodes", "2000", "--synthetic-feat-dim", "16",
              "--fanouts", "5,5", "--batch-size", "32", "--hidden", "8", "--num-workers", "2",
@@ -26,7 +26,7 @@ def test_build_model_switch():
     with pytest.raises(ValueError, match="unknown model 'gin'.*sage, gat, gcn"):
         build_model(4, 3, 2, 8, 0.5, name="gin")
     cfg = parse_args(["--model", "gat", "--heads", "2", "--hidden", "5", "--fanouts", "3,3,3"])
-    model = default_model(4, 3, cfg)
+    model = model_for(4, 3, cfg)
     assert isinstance(model, GAT) and model.num_layers == 3 and model.layers[0].fc.out_features == 10
 
 
@@ -59,7 +59,7 @@ def test_models_learn_on_sampled_blocks(name):
 @pytest.mark.parametrize("name", ["sage", "gat", "gcn"])
 def test_models_give_the_same_logits_on_int32_and_int64_batches(name):
     """Train workers get int32-packed batches for graphs under 2**31 nodes: same numbers as int64."""
-    from gnnray.batch import MiniBatch
+    from gnnray.pipeline.batch import MiniBatch
 
     graph = tiny_graph(num_nodes=80, num_edges=240, feat_dim=6)
     torch.manual_seed(0)
@@ -76,8 +76,8 @@ def test_gat_trains_through_the_job(ray_cluster, tmp_path):
 
     GCN runs through the job in tests/test_embedding.py (on learned embeddings).
     """
-    from gnnray import checkpoint
-    from gnnray.job import run
+    from gnnray.train import checkpoint
+    from gnnray.driver.fit import run
 
     cfg = parse_args(SYNTHETIC + ["--model", "gat", "--heads", "2", "--epochs", "3", "--lr", "0.03",
                                   "--storage-path", str(tmp_path), "--name", "gat"])

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from gnnray.config import DataConfig
-from gnnray.datasets import _bidirected_csc, _transform_edges, load_graph
+from gnnray.data.csc import bidirected_csc
+from gnnray.data.load import load_graph
 from gnnray.errors import DatasetError
-from gnnray.graph_store import Graph, csc_from_edges
+from gnnray.data.csc import csc_from_edges
+from gnnray.data.graph import Graph
 
 needs_ogb = pytest.mark.skipif(importlib.util.find_spec("ogb") is None, reason="the ogb package is not installed")
 
@@ -112,7 +114,7 @@ def test_papers100m_reads_binary_layout_bidirected_and_memory_mapped(tmp_path, n
     cache = tmp_path / "ogbn_papers100M" / "processed"
     assert sorted(p.name for p in (cache / "gnnray").iterdir()) == ["edge_index.npy", "node_feat.npy"]
     assert not (cache / "data_processed").exists()  # ogb's pickled second copy is never written
-    plain = load_graph(DataConfig(dataset="ogbn-papers100M", data_dir=str(tmp_path), add_reverse_edges=False))
+    plain = load_graph(DataConfig(dataset="ogbn-papers100M", data_dir=str(tmp_path), reverse_edges=False))
     assert plain.num_edges == data["edges"].shape[1]
 
 
@@ -148,8 +150,11 @@ def test_chunked_bidirected_csc_equals_the_edge_list_path(self_loops, chunk):
     rng = np.random.default_rng(3)
     n = 50
     src, dst = rng.integers(0, n, 400), rng.integers(0, n, 400)  # duplicates, reciprocal pairs, self loops
-    indptr, indices = _bidirected_csc(src, dst, n, self_loops, chunk=chunk)
-    ref_src, ref_dst = _transform_edges(src, dst, n, reverse=True, self_loops=self_loops)
+    indptr, indices = bidirected_csc(src, dst, n, self_loops, chunk=chunk)
+    # Reference: both directions as a set of (src, dst) pairs, plus a loop per node.
+    pairs = set(zip(src.tolist(), dst.tolist())) | set(zip(dst.tolist(), src.tolist()))
+    pairs |= {(v, v) for v in range(n)} if self_loops else set()
+    ref_src, ref_dst = (np.array(x, dtype=np.int64) for x in zip(*sorted(pairs)))
     ref_indptr, ref_indices = csc_from_edges(ref_src, ref_dst, n)
     np.testing.assert_array_equal(indptr, ref_indptr)
     for v in range(n):  # the same in-neighbors, each sorted by id

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from gnnray.config import parse_args
-from gnnray.datasets import make_synthetic
-from gnnray.graph_store import GraphHandle, publish
+from gnnray.data.synthetic import make_synthetic
+from gnnray.data.store import GraphHandle, publish
 
 JOB = ["--dataset", "synthetic", "--synthetic-nodes", "2000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
        "--batch-size", "128", "--hidden", "32", "--num-workers", "2", "--sampler-actors", "2", "--epochs", "1",
@@ -80,8 +80,8 @@ def test_graph_once_per_node_and_read_locally(ray_cluster, nodes):
         @ray.remote(num_cpus=0)
         class Reader:
             def __init__(self, handle: GraphHandle):
-                from gnnray.sampling import SamplerActor
-                from gnnray.seeds import SeedPlan
+                from gnnray.pipeline.sampler import SamplerActor
+                from gnnray.pipeline.seeds import SeedPlan
 
                 self.actor = SamplerActor(handle, (5, 5), SeedPlan.for_run(np.arange(64), 64, 1, 0))
 
@@ -124,7 +124,8 @@ def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_pat
     from ray._private.state import actors as actor_table
     from ray.experimental import get_object_locations
 
-    import gnnray.job
+    import gnnray.data.store
+    import gnnray.driver.fit
 
     head, a, b = nodes
     head_cpus = int(next(n for n in ray.nodes() if n["NodeID"] == head)["Resources"]["CPU"])
@@ -143,7 +144,7 @@ def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_pat
         published.append(publish(graph))
         return published[-1]
 
-    monkeypatch.setattr(gnnray.job, "publish", publish_and_keep)
+    monkeypatch.setattr(gnnray.data.store, "publish", publish_and_keep)
     before = set(actor_table())
     graph_nodes: set[str] = set()
     stop = threading.Event()
@@ -157,7 +158,7 @@ def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_pat
     watcher = threading.Thread(target=watch_graph, daemon=True)
     watcher.start()
     try:
-        gnnray.job.run(parse_args(JOB + ["--storage-path", str(tmp_path), "--name", f"placement-{uuid.uuid4().hex[:6]}"]))
+        gnnray.driver.fit.run(parse_args(JOB + ["--storage-path", str(tmp_path), "--name", f"placement-{uuid.uuid4().hex[:6]}"]))
     finally:
         stop.set()
         watcher.join(timeout=30)

@@ -1,4 +1,4 @@
-"""Tests of gnnray.prefetch: ordered, correct, exception-transparent, closable background preparation."""
+"""Tests of gnnray.pipeline.prefetch: ordered, correct, exception-transparent, closable background preparation."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gnnray.batch import Layer, MiniBatch
-from gnnray.prefetch import Prefetcher
+from gnnray.pipeline.batch import Layer, MiniBatch
+from gnnray.pipeline.prefetch import Prefetcher
 
 NUM_NODES, FEAT_DIM = 60, 5
 

@@ -11,10 +11,11 @@ import torch
 
 from drills import (JOB_TIMEOUT_S, REPO, SMALL, JobThread, alive_actors, drop_key, job_command, logged, own_stderr,
                     resumed_run, subprocess_env, wait_until, write_checkpoints)  # noqa: F401 (fixture)
-from gnnray import checkpoint
+from gnnray.train import checkpoint
 from gnnray.config import parse_args
 from gnnray.errors import CheckpointError
-from gnnray.job import _resume_point, main
+from gnnray.driver.cli import main
+from gnnray.driver.fit import _resume_point
 
 
 def test_driver_killed_then_resubmitted(ray_cluster, tmp_path):

@@ -1,4 +1,4 @@
-"""Tests of gnnray.sampling: sampled blocks are real, bounded, chained sub-graphs of the graph."""
+"""Tests of gnnray.pipeline.sampler: sampled blocks are real, bounded, chained sub-graphs of the graph."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from gnnray.batch import MiniBatch
-from gnnray.graph_store import Graph
-from gnnray.sampling import Sampler, SamplerActor
+from gnnray.pipeline.batch import MiniBatch
+from gnnray.data.graph import Graph
+from gnnray.pipeline.sampler import Sampler, SamplerActor
 
 GRAPHS = {
     "tiny": lambda: tiny_graph(),
@@ -82,7 +82,7 @@ def test_blocks_are_sampled_from_the_graph(name, fanouts):
 
 def test_nodes_without_in_edges_are_kept():
     # 0 -> 1 only: node 0 has no in-edges; node 2 is isolated.
-    from gnnray.graph_store import csc_from_edges
+    from gnnray.data.csc import csc_from_edges
 
     indptr, indices = csc_from_edges(np.array([0]), np.array([1]), 3)
     graph = Graph(indptr, indices, np.zeros((3, 2), np.float32), np.array([0, 1, 2]), np.arange(3),
@@ -107,9 +107,9 @@ def test_default_epoch_is_evaluation():
 def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster):
     import pyarrow as pa
 
-    from gnnray.batch import from_arrow
-    from gnnray.graph_store import publish
-    from gnnray.seeds import SeedPlan
+    from gnnray.pipeline.batch import from_arrow
+    from gnnray.data.store import publish
+    from gnnray.pipeline.seeds import SeedPlan
 
     graph = tiny_graph()
     handle = publish(graph)
@@ -130,9 +130,9 @@ def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster):
 
 
 def test_sampler_actor_empty_seed_batch_gives_empty_minibatch(ray_cluster):
-    from gnnray.batch import from_arrow
-    from gnnray.graph_store import publish
-    from gnnray.seeds import SeedPlan
+    from gnnray.pipeline.batch import from_arrow
+    from gnnray.data.store import publish
+    from gnnray.pipeline.seeds import SeedPlan
 
     graph = tiny_graph()
     plan = SeedPlan.for_run(graph.train_idx[:1], batch_size=4, num_workers=2, seed=0)  # 1 seed, 2 batches

@@ -1,4 +1,4 @@
-"""Tests of gnnray.seeds: per-epoch seed batches, the row stream, and equal steps per rank through the real pipeline."""
+"""Tests of gnnray.pipeline.seeds: per-epoch seed batches, the row stream, and equal steps per rank through the real pipeline."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from gnnray.batch import MiniBatch, from_arrow
-from gnnray.seeds import SeedPlan, SeedReader, epoch_batches, seed_dataset, steps_per_epoch
+from gnnray.pipeline.batch import MiniBatch, from_arrow
+from gnnray.pipeline.seeds import SeedPlan, SeedReader, epoch_batches, seed_dataset, steps_per_epoch
 
 
 @pytest.mark.parametrize("num_seeds, batch_size, workers, expected", [
@@ -79,23 +79,23 @@ def test_seed_dataset_rejects_bad_epochs(ray_cluster):
 
 
 def test_seed_dataset_rows(ray_cluster):
-    import gnnray.seeds
+    import gnnray.pipeline.seeds
 
     plan = SeedPlan.for_run(np.arange(1000, 1061, dtype=np.int64), batch_size=4, num_workers=2, seed=7)
     ds = seed_dataset(plan, first_epoch=1, num_epochs=4)
     rows = [int(r["row"]) for r in ds.take_all()]
     assert rows == list(range(plan.rows_per_epoch, 4 * plan.rows_per_epoch))  # epochs 1-3, in order
     # Several small blocks, so that several sampler actors get work.
-    per_block = gnnray.seeds._ROWS_PER_BLOCK
+    per_block = gnnray.pipeline.seeds.ROWS_PER_BLOCK
     assert len(rows) > 2 * per_block
     assert ds.materialize().num_blocks() == -(-len(rows) // per_block)
 
 
 def test_seed_dataset_caps_its_block_count(ray_cluster, monkeypatch):
     """Long runs get larger blocks instead of more of them (each block is one put on the driver)."""
-    import gnnray.seeds
+    import gnnray.pipeline.seeds
 
-    monkeypatch.setattr(gnnray.seeds, "_MAX_BLOCKS", 5)
+    monkeypatch.setattr(gnnray.pipeline.seeds, "_MAX_BLOCKS", 5)
     plan = SeedPlan.for_run(np.arange(100), batch_size=4, num_workers=2, seed=0)  # 26 rows per epoch
     ds = seed_dataset(plan, first_epoch=0, num_epochs=4)
     assert ds.num_blocks() == 5
@@ -107,8 +107,8 @@ def test_every_rank_gets_the_same_number_of_steps(ray_cluster):
     import ray
     import ray.data
 
-    from gnnray.graph_store import publish
-    from gnnray.sampling import SamplerActor
+    from gnnray.data.store import publish
+    from gnnray.pipeline.sampler import SamplerActor
 
     graph = tiny_graph()
     train_idx = np.arange(23, dtype=np.int64)  # 23 seeds, 3 ranks of batch 4: does not divide evenly

@@ -1,4 +1,4 @@
-"""Stage 5 (train worker): the GNN.
+"""Stage 6 (train worker): the GNN.
 
 Input: DGL blocks and the input features of their first layer's source nodes.
 Output: logits of the seed nodes. Any ``nn.Module`` with ``forward(blocks, x)``
@@ -7,7 +7,7 @@ plugs into the training loop the same way.
 The built-in models (``--model sage|gat|gcn``) also expose
 ``layer(i, block, h)``: layer ``i`` with the activation and dropout that
 follow it, exactly as ``forward`` applies it. Layer-wise inference
-(:mod:`gnnray.inference`) needs it to compute one layer for all nodes at a time.
+(:mod:`gnnray.inference.layerwise`) needs it to compute one layer for all nodes at a time.
 """
 
 from __future__ import annotations
@@ -170,3 +170,9 @@ def build_model(in_feats: int, num_classes: int, num_layers: int, hidden: int, d
     if name == "gcn":
         return GCN(in_feats, hidden, num_classes, num_layers, dropout)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+
+
+def model_for(in_feats: int, num_classes: int, cfg) -> nn.Module:
+    """The model ``--model`` names, sized by the job configuration (the default model factory)."""
+    return build_model(in_feats, num_classes, cfg.sampler.num_layers, cfg.model.hidden, cfg.model.dropout,
+                       name=cfg.model.name, heads=cfg.model.heads)

@@ -1,4 +1,4 @@
-"""Stage 4 (train worker): packed rows become device-ready mini-batches, ahead of time.
+"""Stage 5 (train worker thread): packed rows become device-ready mini-batches, ahead of time.
 
 Input: an iterator of packed mini-batches (``MiniBatch.pack`` output) and the
 node-shared feature array. A background thread copies each row into a reused
@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import torch
 
-from gnnray.batch import MiniBatch
+from gnnray.pipeline.batch import MiniBatch
 
 _END = object()
 
@@ -31,7 +31,7 @@ class _Failure:
         self.exc = exc
 
 
-class _HostSlot:
+class HostSlot:
     """Reusable host buffers for one in-flight mini-batch.
 
     Reuse matters: gathering into fresh memory costs about twice as much,
@@ -59,6 +59,12 @@ class _HostSlot:
         self._feat = self._grow(self._feat, rows * dim)
         return self._feat[: rows * dim].view(rows, dim)
 
+    def gather(self, feat: np.ndarray, ids: np.ndarray) -> torch.Tensor:
+        """Rows ``ids`` of ``feat``, gathered into this slot's reused buffer (valid until the next gather)."""
+        x = self.feat(ids.shape[0], feat.shape[1])
+        np.take(feat, ids, axis=0, out=x.numpy())
+        return x
+
 
 class Prefetcher:
     """Iterate mini-batches prepared ``depth`` steps ahead on a background thread.
@@ -77,7 +83,7 @@ class Prefetcher:
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
         self._feat = feat
-        self._slots = [_HostSlot(pin=self._cuda) for _ in range(depth + 2)]
+        self._slots = [HostSlot(pin=self._cuda) for _ in range(depth + 2)]
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -155,9 +161,7 @@ class Prefetcher:
         ids = slot.ids(packed.shape[0], packed.dtype)
         ids.numpy()[:] = packed  # rows arrive as read-only views; this is the one copy
         mb = MiniBatch.unpack(ids)
-        x = slot.feat(mb.input_nodes.shape[0], self._feat.shape[1])
-        np.take(self._feat, mb.input_nodes.numpy(), axis=0, out=x.numpy())
-        mb.x = x
+        mb.x = slot.gather(self._feat, mb.input_nodes.numpy())
         if not self._cuda:
             return mb, None
         with torch.cuda.stream(self._stream):

@@ -8,7 +8,7 @@ exact and cheaper: layer ``i`` is computed once for *all* nodes, each with
 One Ray Data job per layer maps chunks of node ids (``map_batches`` over
 ``ray.data.range(num_nodes)``, an actor pool): each actor attaches the
 node-shared graph (:meth:`GraphHandle.get`) and the previous layer's output,
-builds the full-neighbor block of its chunk with :class:`~gnnray.sampling.Sampler`
+builds the full-neighbor block of its chunk with :class:`~gnnray.pipeline.sampler.Sampler`
 (fanout ``-1``) and applies ``model.layer(i, block, h)``.
 
 Where the layers live: layer 0's input is the graph's features (object store)
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from gnnray.errors import ConfigError
-from gnnray.graph_store import Graph, GraphHandle
+from gnnray.data.graph import Graph
+from gnnray.data.store import GraphHandle
 
 _SPLIT_CODES = {"train": 1, "valid": 2, "test": 3}
 
@@ -78,11 +79,11 @@ def load_model(directory: str, cfg, feat_dim: int, num_classes: int,
     Raises:
         ConfigError: The checkpoint does not match the configuration.
     """
-    from gnnray import checkpoint
-    from gnnray.train_loop import default_model
+    from gnnray.train import checkpoint
+    from gnnray.train.model import model_for
 
     state = checkpoint.load_state(directory)
-    model = (model_factory or default_model)(feat_dim + cfg.data.embedding_dim, num_classes, cfg)
+    model = (model_factory or model_for)(feat_dim + cfg.data.embedding_dim, num_classes, cfg)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
@@ -117,7 +118,7 @@ class LayerRunner:
     """
 
     def __init__(self, graph: Graph, model: torch.nn.Module, layer: int, inputs: Sequence[np.ndarray]):
-        from gnnray.sampling import Sampler
+        from gnnray.pipeline.sampler import Sampler
 
         self._sampler = Sampler(graph, (-1,))
         self._model, self._layer, self._inputs = model, layer, [a for a in inputs if a.shape[1] > 0]
@@ -315,81 +316,3 @@ def _table(batch: dict):
         columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(e.reshape(-1)), e.shape[1])
     return pa.table(columns)
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``jobs/predict.py``: predict every node from a checkpoint and write Parquet; returns the exit code."""
-    import argparse
-    import dataclasses
-    import sys
-
-    from gnnray.errors import GnnrayError
-
-    p = argparse.ArgumentParser(
-        prog="predict.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Predict every node of a trained run's graph with layer-wise full-neighbor inference (a Ray "
-        "Data job per layer) and write node id, predicted class and optionally the final embedding to Parquet.")
-    p.add_argument("--checkpoint", required=True,
-                   help="a checkpoint directory, or a run directory (STORAGE_PATH/NAME: its newest valid checkpoint)")
-    p.add_argument("--output", required=True, help="Parquet file to write (columns id, pred[, embedding])")
-    p.add_argument("--embeddings", action="store_true",
-                   help="also write each node's final embedding (the input of the output layer)")
-    p.add_argument("--dataset", default=None, help="override the dataset stored in the checkpoint")
-    p.add_argument("--data-dir", default=None, help="override the data directory stored in the checkpoint")
-    p.add_argument("--work-dir", default=None,
-                   help="where hidden layers' outputs are written meanwhile (default: beside --output; "
-                   "on several nodes it must be a shared file system)")
-    p.add_argument("--batch-size", type=int, default=None, help="nodes per chunk (default: the run's)")
-    a = p.parse_args(argv)
-    try:
-        if a.batch_size is not None and a.batch_size < 1:
-            raise ConfigError(f"--batch-size {a.batch_size}: must be at least 1")
-        cfg, directory = _checkpoint_config(a.checkpoint)
-        data = dataclasses.replace(cfg.data, **{k: v for k, v in (("dataset", a.dataset), ("data_dir", a.data_dir))
-                                                 if v is not None})
-        cfg = dataclasses.replace(cfg, data=data)
-        result = _predict(cfg, directory, a.output, a.embeddings,
-                          a.work_dir or os.path.dirname(os.path.abspath(a.output)),
-                          a.batch_size or cfg.train.inference_batch_size)
-    except GnnrayError as e:
-        print(f"gnnray: error: {e}", file=sys.stderr)
-        return 2
-    acc = " ".join(f"{k}_acc={v:.4f}" for k, v in result.accuracy.items())
-    print(f"predicted {result.num_nodes} nodes in {result.seconds:.1f}s: {acc} output={result.output}", flush=True)
-    return 0
-
-
-def _checkpoint_config(path: str):
-    """The configuration stored with the checkpoint at ``path`` (or the newest valid one of run directory ``path``)."""
-    from gnnray import checkpoint
-    from gnnray.config import from_dict
-
-    info = checkpoint.read_info(path)
-    if info is None:
-        info, _ = checkpoint.latest_valid(path)
-    if info is None:
-        raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected a directory with state.pt "
-                          "and meta.json, or a run directory STORAGE_PATH/NAME holding checkpoint_* directories)")
-    meta = checkpoint.read_meta(info.path)
-    if "config" not in meta:
-        raise ConfigError(f"--checkpoint {info.path}: it stores no job configuration (written by an older "
-                          "gnnray); retrain, or call gnnray.inference.run with the model yourself")
-    if meta["config"].get("custom_model"):
-        raise ConfigError(f"--checkpoint {info.path}: trained with a custom model factory that predict.py cannot "
-                          "rebuild; call gnnray.inference.load_model with it and gnnray.inference.run")
-    return from_dict(meta["config"]), info.path
-
-
-def _predict(cfg, directory: str, output: str, with_embeddings: bool, work_dir: str,
-             batch_size: int) -> InferenceResult:
-    from gnnray.datasets import load_graph
-    from gnnray.graph_store import publish
-    from gnnray.job import _init_ray
-
-    graph = load_graph(cfg.data)
-    model, embedding = load_model(directory, cfg, graph.feat_dim, graph.num_classes)
-    _init_ray(cfg)
-    handle = publish(graph)
-    graph = handle.get()  # views on the store: the loading copy is freed
-    return run(graph, handle, model, embedding=embedding, work_dir=work_dir, batch_size=batch_size,
-               actors=(cfg.sampler.actors_min, cfg.sampler.actors_max), cpus_per_actor=cfg.sampler.cpus_per_actor,
-               output=output, with_embeddings=with_embeddings)

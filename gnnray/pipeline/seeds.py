@@ -1,4 +1,4 @@
-"""Stage 2 (driver plans, sampler actors draw): the stream of seed batches.
+"""Stage 3 (driver plans, sampler actors draw): the stream of seed batches.
 
 Input: the training split's node ids. Output: a :class:`SeedPlan` (which
 seeds each step samples) and a Ray Data dataset with one row per (epoch,
@@ -8,13 +8,12 @@ number into its seeds with :meth:`SeedReader.seeds`.
 
 Why row numbers and not seeds: the dataset is built from in-memory blocks
 (``ray.data.from_blocks``), so it runs no Ray tasks. Computing the seeds in
-read tasks cost ~12 ms of the node's CPU per row (a task per block, each
-receiving the split and shuffling it), as much as sampling the row on a
-2-core machine; an actor shuffles each epoch once and then only slices.
+read tasks made every task receive and shuffle the whole split, costing as
+much CPU as sampling the row; an actor shuffles each epoch once and then only
+slices (docs/performance.md).
 
 One dataset spans all epochs so the sampler actor pool starts once per run,
-not once per epoch (a new pool costs 12-26 s here, mostly importing torch and
-DGL). Each epoch is a fresh permutation seeded by (run seed, epoch), so a
+not once per epoch (a pool's start is dominated by importing torch and DGL). Each epoch is a fresh permutation seeded by (run seed, epoch), so a
 resumed run replays exactly the seeds it would have drawn.
 
 Every epoch has ``steps * num_workers`` rows (all seeds, none dropped, batches
@@ -29,15 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# A block is one sampler-actor call. Ray Data's work per call (~12 ms here:
-# task dispatch, the memory-poll thread, output metadata, the object-store
-# put) is spread over its rows: 1.3-1.7 ms per batch with 8 rows, 0.6-1.0 ms
-# with 16, and no less with 32 (docs/performance.md). Blocks are also the
-# units the pool shares out, so they stay small: one block per epoch left all
-# but one actor idle.
-_ROWS_PER_BLOCK = 16
-# ...but at most this many blocks: each is one ray.put on the driver (~0.5 ms),
-# so a 100-epoch run on 8 workers of papers100M (118k rows) builds in ~2 s.
+# A block is one sampler-actor call: Ray Data's fixed work per call is spread
+# over its rows, and 16 was where larger blocks stopped helping
+# (docs/performance.md). Blocks are also the units the pool shares out, so
+# they stay small: one block per epoch left all but one actor idle.
+ROWS_PER_BLOCK = 16
+# ...but at most this many blocks: each is one ray.put on the driver, so a
+# long run on a large graph still builds its stream in seconds.
 _MAX_BLOCKS = 4096
 
 
@@ -90,7 +87,7 @@ class SeedReader:
         return epoch, self._batches[row % self._plan.rows_per_epoch]
 
 
-def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int):
+def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int, rows_per_block: int = ROWS_PER_BLOCK):
     """Return the Ray Data dataset of row numbers for epochs ``first_epoch .. num_epochs - 1``.
 
     Raises:
@@ -102,7 +99,6 @@ def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int):
     if not 0 <= first_epoch < num_epochs:
         raise ValueError(f"first_epoch {first_epoch} must be in [0, {num_epochs})")
     rows = np.arange(first_epoch * plan.rows_per_epoch, num_epochs * plan.rows_per_epoch, dtype=np.int64)
-    per_block = max(_ROWS_PER_BLOCK, math.ceil(len(rows) / _MAX_BLOCKS))
-    # from_blocks, not from_arrow: from_arrow runs a Ray task per block to read
-    # its metadata (32 s for 118k rows in 8-row blocks here).
+    per_block = max(rows_per_block, math.ceil(len(rows) / _MAX_BLOCKS))
+    # from_blocks, not from_arrow: from_arrow runs a Ray task per block to read its metadata.
     return ray.data.from_blocks([pa.table({"row": rows[i:i + per_block]}) for i in range(0, len(rows), per_block)])

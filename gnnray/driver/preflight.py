@@ -1,4 +1,4 @@
-"""Driver checks that the Ray cluster can ever run the job, made before anything waits on it.
+"""Driver checks made before anything waits: a writable storage path, and a cluster that can ever run the job.
 
 Ray waits for resources it lacks, expecting an autoscaler to add nodes; on a
 cluster of fixed size that wait never ends. So the driver compares what the
@@ -14,10 +14,11 @@ the current nodes, and Ray Train itself checks the autoscaler's maxima.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from gnnray.config import JobConfig
-from gnnray.errors import ClusterError
+from gnnray.errors import ClusterError, ConfigError
 
 # Share of a node's object store the graph may take: the rest holds the
 # mini-batches in flight and Ray's own objects.
@@ -54,11 +55,13 @@ def nodes() -> list[Node]:
 
 def autoscaling() -> bool:
     """Whether the cluster's autoscaler reported node types it can add (``False`` for local and fixed clusters)."""
+    # The one private Ray call: no public API reads the autoscaler's node types
+    # (ray.autoscaler.sdk only requests resources).
     try:
         import ray._private.state
 
         config = ray._private.state.state.get_cluster_config()
-    except Exception:  # a private API: if it moves, do not block a cluster that may scale
+    except Exception:  # if it moves, do not block a cluster that may scale
         return True
     if not config or not config.node_group_configs:
         return False
@@ -121,3 +124,21 @@ def _describe(cluster: list[Node]) -> str:
 
 def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_storage(cfg: JobConfig) -> str:
+    """Return the run directory ``STORAGE_PATH/NAME``, created; raise :class:`ConfigError` if it is not writable."""
+    if "://" in cfg.run.storage_path:
+        raise ConfigError(f"--storage-path {cfg.run.storage_path!r}: only file system paths are supported (use a "
+                          "directory, or a shared file system such as NFS on multi-node clusters)")
+    run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.storage_path)), cfg.run.name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, ".write-test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--storage-path {cfg.run.storage_path!r}: cannot write checkpoints to {run_dir} "
+                          f"({e.strerror}); choose a writable directory") from None
+    return run_dir

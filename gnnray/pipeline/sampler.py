@@ -1,9 +1,9 @@
-"""Stage 3 (sampler actor): seed batches become sampled mini-batches.
+"""Stage 4 (sampler actor): seed batches become sampled mini-batches.
 
 Input: rows of the seeds dataset (row numbers of a ``SeedPlan``). Runs in a Ray
 Data actor pool (``map_batches`` + ``ActorPoolStrategy``) whose actors each
 attach the node-shared graph once, zero-copy. Output: one row per mini-batch,
-a packed ``MiniBatch`` in an Arrow table (:func:`gnnray.batch.to_arrow`).
+a packed ``MiniBatch`` in an Arrow table (:func:`gnnray.pipeline.batch.to_arrow`).
 
 Train workers call :func:`sample` too, for evaluation, so sampling is the same
 code wherever it runs.
@@ -17,9 +17,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gnnray.batch import Layer, MiniBatch, id_dtype, to_arrow
-from gnnray.graph_store import Graph, GraphHandle, to_dgl
-from gnnray.seeds import SeedPlan, SeedReader
+from gnnray.pipeline.batch import Layer, MiniBatch, id_dtype, to_arrow
+from gnnray.data.graph import Graph
+from gnnray.data.store import GraphHandle, to_dgl
+from gnnray.pipeline.seeds import SeedPlan, SeedReader
 
 
 class Sampler:

@@ -1,4 +1,4 @@
-"""Stage 1b: the graph, held once per node in Ray's object store.
+"""Stage 2 (driver publishes, every process reads): the graph, held once per node in Ray's object store.
 
 Input: a validated :class:`Graph` (driver). Output: a :class:`GraphHandle`, a
 small picklable reference that every sampler actor and train worker turns back
@@ -17,71 +17,7 @@ from typing import Any
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class Graph:
-    """A node-classification graph as plain numpy arrays.
-
-    The structure is the in-edge CSC: the in-neighbors of node ``v`` are
-    ``indices[indptr[v]:indptr[v + 1]]``, the layout DGL samples in-edges from
-    without building another format.
-
-    Attributes:
-        indptr: int64, ``(num_nodes + 1,)``.
-        indices: int64, ``(num_edges,)``, source node of each in-edge.
-        feat: float32, ``(num_nodes, feat_dim)``.
-        label: int64, ``(num_nodes,)``; ``-1`` marks unlabelled nodes.
-        train_idx: int64 node ids of the training split.
-        valid_idx: int64 node ids of the validation split.
-        test_idx: int64 node ids of the test split.
-        num_classes: Number of classes.
-        name: Human-readable name for logs.
-    """
-
-    indptr: np.ndarray
-    indices: np.ndarray
-    feat: np.ndarray
-    label: np.ndarray
-    train_idx: np.ndarray
-    valid_idx: np.ndarray
-    test_idx: np.ndarray
-    num_classes: int
-    name: str = "graph"
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.indptr.shape[0] - 1)
-
-    @property
-    def num_edges(self) -> int:
-        return int(self.indices.shape[0])
-
-    @property
-    def feat_dim(self) -> int:
-        return int(self.feat.shape[1])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all arrays: the size of one copy of the graph."""
-        return sum(getattr(self, f.name).nbytes for f in fields(self) if isinstance(getattr(self, f.name), np.ndarray))
-
-    def split(self, name: str) -> np.ndarray:
-        """Node ids of split ``train``, ``valid`` or ``test``."""
-        return {"train": self.train_idx, "valid": self.valid_idx, "test": self.test_idx}[name]
-
-
-def csc_from_edges(src: np.ndarray, dst: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Build the in-edge CSC ``(indptr, indices)`` of edges ``src -> dst``.
-
-    Edges of a node keep their input order (stable sort), so the result is
-    deterministic.
-    """
-    order = np.argsort(dst, kind="stable")
-    indices = np.ascontiguousarray(src[order], dtype=np.int64)
-    counts = np.bincount(dst, minlength=num_nodes)
-    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    return indptr, indices
+from gnnray.data.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -201,26 +137,21 @@ def to_dgl(graph: Graph):
     import dgl
     import torch
 
-    with _quiet_readonly_warning():
-        indptr = torch.from_numpy(graph.indptr)
-        indices = torch.from_numpy(graph.indices)
-    g = dgl.graph(("csc", (indptr, indices, torch.empty(0, dtype=torch.int64))), num_nodes=graph.num_nodes)
+    indptr, indices = readonly_tensor(graph.indptr), readonly_tensor(graph.indices)
+    g = dgl.graph(("csc", (indptr, indices, torch.empty(0, dtype=indices.dtype))), num_nodes=graph.num_nodes)
     return g.formats("csc")
 
 
-class _quiet_readonly_warning:
-    """Silence torch's warning for tensors over read-only numpy arrays.
+def readonly_tensor(a: np.ndarray):
+    """``torch.from_numpy(a)`` for a read-only array, without torch's warning about it.
 
-    The tensors stay inside DGL's graph object and are only read; the pages
-    under them are the object store's, which is why they are read-only.
+    The tensor must only be read: the pages under it are the object store's
+    (or a read-only alias of them), which is why they are read-only.
     """
+    import warnings
 
-    def __enter__(self):
-        import warnings
+    import torch
 
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+        return torch.from_numpy(a)

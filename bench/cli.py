@@ -1,0 +1,113 @@
+"""The command line: settings, one Ray cluster, each figure guarded, then the table and the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import bench
+from bench import gpu, memory
+from bench.common import DEFAULT_DATASET, DEFAULT_JSON, Row, Settings, error_row, format_table, machine, start_ray
+from bench.graphs import base_data_config, quick_data_config
+from bench.sampler import ONE_ACTOR, TARGET, bench_sampler
+from bench.training import THROUGHPUT_FIGURE, bench_training
+from gnnray.data.load import load_graph
+from gnnray.data.store import publish
+from gnnray.driver.console import graph_line
+
+ORDER = ("data-wait", "sampler", "training", "memory", "GPU", "setup", "")  # the issue's order
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="bench/benchmark.py", description=bench.__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer batches and epochs, short epochs")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write all results")
+    p.add_argument("--dataset", default=None,
+                   help=f"graph directory, or 'synthetic' (when not given: {DEFAULT_DATASET} if present, else "
+                   "synthetic)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="cores both sides of figure 3 use: the DGL loop's threads, the train workers' CPUs (when "
+                   "not given: all)")
+    p.add_argument("--workers", type=int, default=1, help="Ray Train workers for figures 1 and 3")
+    p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
+    return p.parse_args(argv)
+
+
+def settings_for(args) -> Settings:
+    s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, workers=args.workers)
+    if args.quick:
+        s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
+                                baseline_warmup=2, baseline_steps=18, memory_batches=2)
+    return s
+
+
+def guarded(figure: str, target: str, fn: Callable[[], list]) -> list[Row]:
+    """Run one stage; its rows get the stage's wall time and the machine's load around it (noise)."""
+    load, start = os.getloadavg()[0], time.perf_counter()
+    try:
+        rows = fn()
+    except Exception as exc:  # noqa: BLE001 - a failing stage must not hide the others
+        rows = [error_row(figure, target, exc)]
+    for r in rows:
+        r.detail.update(stage_s=time.perf_counter() - start, load_avg_1min=(load, os.getloadavg()[0]))
+    return rows
+
+
+def run_figures(args, s: Settings, workdir: Path, result: dict, rows: list[Row]) -> None:
+    """Load the graph, start Ray, and add every figure's rows to ``rows``; ``result`` gets the data's description."""
+    import ray
+
+    data = base_data_config(args.dataset)
+    graph = load_graph(data, s.seed)
+    full_train_idx = graph.train_idx
+    if s.quick:
+        data = quick_data_config(graph, s, workdir)
+        graph = load_graph(data, s.seed)
+    result["data"] = dict(config=dataclasses.asdict(data), nodes=graph.num_nodes, edges=graph.num_edges,
+                          train=len(graph.train_idx), graph_mib=graph.nbytes / 2**20)
+    print(f"{graph_line(graph)}; {s.cores} cores, {result['mode']} mode", flush=True)
+    start_ray(s, args.verbose)
+    try:
+        handle = publish(graph)
+        rows += guarded(ONE_ACTOR, TARGET, lambda: bench_sampler(graph, handle, full_train_idx, s))
+        rows += guarded(THROUGHPUT_FIGURE, "", lambda: bench_training(data, graph, s, workdir))
+        rows += guarded(memory.FIGURE, memory.TARGET, lambda: memory.bench_memory(graph, handle, s))
+        rows += guarded(gpu.FIGURE, gpu.TARGET, lambda: gpu.bench_gpu(s))
+    finally:
+        ray.shutdown()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    s = settings_for(args)
+    started = time.perf_counter()
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    workdir = Path(tempfile.mkdtemp(prefix="gnnray-bench-"))
+    result = dict(date=date, mode="quick" if s.quick else "full", machine=machine(), settings=dataclasses.asdict(s))
+    rows: list[Row] = []
+    try:
+        run_figures(args, s, workdir, result, rows)
+    except Exception as exc:  # noqa: BLE001 - still print and save what we have
+        rows.append(error_row("setup", "", exc))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    rows.sort(key=lambda r: next(i for i, key in enumerate(ORDER) if r.figure.startswith(key)))  # stable
+    wall = time.perf_counter() - started
+    result.update(rows=[dataclasses.asdict(r) for r in rows], wall_s=wall, load_avg_end=os.getloadavg())
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(f"\n{result['mode']} mode, {date}, {s.cores} cores, load average {os.getloadavg()[0]:.1f}, "
+          f"{wall:.0f} s; all numbers in {out}\n")
+    print(format_table(rows), flush=True)
+    return 1 if any(r.met == "error" for r in rows) else 0

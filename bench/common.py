@@ -1,0 +1,146 @@
+"""What every figure shares: the settings, a table row, thread limits, the machine and the Ray cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import platform
+import re
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "arxiv-structure"
+DEFAULT_JSON = REPO / "bench-results" / "benchmark.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every measurement uses; ``--quick`` shrinks only the amounts of work."""
+
+    quick: bool
+    cores: int  # physical cores both sides of every comparison get
+    fanouts: tuple = (15, 10, 5)
+    batch_size: int = 1024
+    hidden: int = 256
+    dropout: float = 0.5
+    lr: float = 0.003
+    seed: int = 0
+    # Figure 2: batches consumed per configuration, and how many to skip first.
+    sampler_batches: int = 400
+    sampler_warmup: int = 32  # two calls of the actor (a call samples one seed-stream block)
+    sampler_rounds: int = 3  # pipeline runs of 1 actor, each between two plain loops of each baseline
+    # Figure 3: our epochs (the first is start-up), the DGL loop's steps.
+    epochs: int = 4
+    baseline_warmup: int = 3
+    baseline_steps: int = 40
+    workers: int = 1  # Ray Train workers; they share the cores (see trainer_cpus)
+    samplers: int = 1  # sampler actors in the pool
+    # Figure 4: batches each probe process samples before it is measured.
+    memory_batches: int = 4
+    memory_processes: tuple = (1, 2, 4)
+    # --quick: training/validation/test nodes kept, in batches.
+    quick_train_batches: int = 20
+    quick_eval_batches: int = 2
+
+    @property
+    def trainer_cpus(self) -> int:
+        """CPUs of each train worker: all the cores, split between workers.
+
+        The sampler actor is not given cores of its own: sampling a batch costs
+        a small fraction of a training step (figure 2 against figure 3), so the
+        trainer's thread pool gets every core, as the DGL loop does. Ray's
+        logical CPUs are oversubscribed to allow it.
+        """
+        return max(1, self.cores // self.workers)
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table; ``detail`` goes to the JSON only."""
+
+    figure: str
+    ours: str = ""
+    baseline: str = ""
+    ratio: str = ""
+    target: str = ""
+    met: str = ""
+    detail: dict = dataclasses.field(default_factory=dict)
+
+
+COLUMNS = ("figure", "ours", "baseline", "ratio", "target", "met")
+
+
+def error_row(figure: str, target: str, exc: BaseException) -> Row:
+    """A row showing the error's most telling line (a remote error's cause is at the end of its text)."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)]
+    message = causes[-1] if causes else f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return Row(figure, ours=f"error: {message[:70]}", target=target, met="error",
+               detail={"error": traceback.format_exception(type(exc), exc, exc.__traceback__)})
+
+
+def verdict(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def format_table(rows: list[Row]) -> str:
+    cells = [COLUMNS] + [tuple(getattr(r, c) for c in COLUMNS) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(v.ljust(w) for v, w in zip(c, widths)) + " |" for c in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Limit torch's and DGL's OpenMP pools to ``n`` threads (they are separate libgomp copies)."""
+    import dgl.utils
+    import torch
+
+    torch_before, dgl_before = torch.get_num_threads(), dgl.utils.get_num_threads()
+    torch.set_num_threads(n)
+    dgl.utils.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(torch_before)
+        dgl.utils.set_num_threads(dgl_before)
+
+
+def machine() -> dict:
+    import dgl
+    import psutil
+    import ray
+    import torch
+
+    return dict(cpus=os.cpu_count(), memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
+                gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                load_avg=os.getloadavg(), python=platform.python_version(), torch=torch.__version__,
+                dgl=dgl.__version__, ray=ray.__version__)
+
+
+def start_ray(s: Settings, verbose: bool) -> None:
+    """One local cluster for the whole run, with enough logical CPUs for the largest stage.
+
+    Logical CPUs exceed physical ones on purpose: every stage is given all the
+    physical cores (see ``Settings.trainer_cpus``); Ray's counts only decide
+    what may run at once.
+    """
+    import ray
+    import ray.data
+
+    import bench
+    from gnnray.driver.console import quiet_ray
+
+    # Ship the bench's actors and tasks by value: workers need not find this folder on their path.
+    ray.cloudpickle.register_pickle_by_value(bench)
+    need = max(s.workers * s.trainer_cpus + s.samplers + 3, max(s.memory_processes) + 1, 3, s.cores)
+    # Keep the dashboard: Ray Train's placement-group cleaner asks the state API
+    # (served by it) whether the controller lives, and without it tears the
+    # workers down mid-run ("A worker health check failed").
+    ray.init(address="local", num_cpus=need, log_to_driver=verbose,
+             runtime_env={"env_vars": {"DGLBACKEND": "pytorch"}})
+    quiet_ray(verbose)
+    ray.data.DataContext.get_current().enable_progress_bars = False

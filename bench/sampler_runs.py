@@ -1,0 +1,159 @@
+"""What figure 2 times: the plain sampling loop, and the real pipeline with per-call stamps from the actors."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import numpy as np
+
+from bench.common import Settings, threads
+from gnnray.data.graph import Graph
+
+
+def same_seed_batches(train_idx: np.ndarray, s: Settings, rows: int) -> tuple[list, int]:
+    """The first ``rows`` seed batches of the job's ``SeedPlan`` with one worker, and the epochs they span."""
+    from gnnray.pipeline.seeds import SeedPlan
+
+    plan = SeedPlan.for_run(train_idx, s.batch_size, 1, s.seed)
+    epochs = math.ceil(rows / plan.rows_per_epoch)
+    return [b for e in range(epochs) for b in plan.batches(e)][:rows], epochs
+
+
+def plain_sampling(graph: Graph, fanouts: tuple, batches: list, warmup: int, barrier=None) -> dict:
+    """Sample ``batches`` with ``Sampler`` in a plain loop on one thread; steady batches/s and CPU ms per batch.
+
+    With ``barrier`` (a :class:`Barrier` actor), the timed part starts when
+    every process has warmed up, so that they run at once.
+    """
+    from gnnray.pipeline.sampler import Sampler
+
+    with threads(1):
+        sampler = Sampler(graph, fanouts)
+        for seeds in batches[:warmup]:
+            sampler.sample(seeds)
+        if barrier is not None:
+            import ray
+
+            ray.get(barrier.arrive.remote())
+            while not ray.get(barrier.ready.remote()):
+                time.sleep(0.01)
+        start, cpu = time.perf_counter(), time.process_time()
+        for seeds in batches[warmup:]:
+            sampler.sample(seeds)
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    n = len(batches) - warmup
+    return dict(batches_per_s=n / elapsed, cpu_ms=1000 * cpu / n)
+
+
+class Barrier:
+    """Lets processes that each ``arrive`` poll until all ``n`` have (a Ray actor)."""
+
+    def __init__(self, n: int):
+        self._n, self._arrived = n, 0
+
+    def arrive(self) -> None:
+        self._arrived += 1
+
+    def ready(self) -> bool:
+        return self._arrived >= self._n
+
+
+def plain_sampling_task(handle, fanouts: tuple, batches: list, warmup: int, barrier) -> dict:
+    """:func:`plain_sampling` in a Ray worker over the node-shared graph."""
+    return plain_sampling(handle.get(), fanouts, batches, warmup, barrier)
+
+
+class StampedSamplerActor:
+    """``SamplerActor`` plus one column: when the actor started and finished each call, and its CPU time.
+
+    A consumer's arrival times over a run of a few seconds mostly show how
+    fast it drains rows buffered while it started; the actors' own
+    timestamps give their steady rate, the time inside the call (sampling +
+    packing) against the time between calls shows what Ray Data's per-call
+    work and waiting cost, and the actor process's CPU time (all its threads,
+    so Ray's too) is the cost that does not depend on how busy the machine
+    is. Each row carries its call's stamps (start, finish, pid, CPU seconds at
+    the finish, rows in the call): five float64 a row.
+    """
+
+    def __init__(self, graph, fanouts, plan):
+        from gnnray.pipeline.sampler import SamplerActor
+
+        self._actor = SamplerActor(graph, fanouts, plan)
+
+    def __call__(self, rows: dict):
+        import pyarrow as pa
+
+        start = time.time()
+        out = self._actor(rows)
+        stamp = [start, time.time(), os.getpid(), time.process_time(), out.num_rows] * out.num_rows
+        return out.append_column("stamp", pa.FixedSizeListArray.from_arrays(pa.array(stamp, pa.float64()), 5))
+
+
+def call_stats(stamps: np.ndarray, warmup: int, actors: int) -> dict:
+    """Steady rates from per-row call stamps, leaving out the calls that hold the first ``warmup`` rows.
+
+    Returns rows/s of all actors, ms per row inside calls, and CPU ms per row
+    of the actor processes.
+    """
+    calls = np.unique(stamps, axis=0)  # one line per call: start, finish, pid, cpu, rows
+    calls = calls[np.argsort(calls[:, 1])]
+    first = int(np.searchsorted(np.cumsum(calls[:, 4]), warmup))  # the call that holds row ``warmup``
+    if first >= len(calls) - 1:
+        raise RuntimeError(f"only {len(calls)} calls; need more after the first {warmup} rows")
+    steady = calls[first + 1:]
+    rate = steady[:, 4].sum() / (calls[-1, 1] - calls[first, 1])
+    in_call = 1000 * float(np.sum(steady[:, 1] - steady[:, 0]) / steady[:, 4].sum())
+    cpu, rows = 0.0, 0
+    for pid in np.unique(calls[:, 2]):
+        mine = calls[calls[:, 2] == pid]
+        mine = mine[np.argsort(mine[:, 3])]
+        skip = max(1, min(int(np.searchsorted(np.cumsum(mine[:, 4]), warmup // actors)) + 1, len(mine) - 1))
+        cpu += mine[-1, 3] - mine[skip - 1, 3]
+        rows += int(mine[skip:, 4].sum())
+    return dict(rate=rate, in_call_ms=in_call, cpu_ms=1000 * cpu / rows, calls=len(calls))
+
+
+def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int) -> dict:
+    """``k`` stamped sampler actors in the job's Ray Data pipeline, read as a train worker reads it.
+
+    ``seed_dataset(...).map_batches(StampedSamplerActor, compute=ActorPoolStrategy(size=k), num_cpus=1)``
+    is consumed in whole blocks, rows sliced out with ``from_arrow`` and each
+    unpacked with ``MiniBatch.unpack``. The rate is the actors' steady rate
+    after the calls that hold the first ``k * sampler_warmup`` rows (so
+    start-up is excluded), from the times the actors finished each call; it
+    includes sampling, packing and Ray Data's work in the actor (batch
+    conversion, the object store put). The consumer must keep up for that rate
+    to be the pipeline's: its unpack time and how far it lags the actors at
+    the end are recorded.
+    """
+    import ray.data
+
+    from gnnray.data.store import readonly_tensor
+    from gnnray.pipeline.batch import MiniBatch, from_arrow
+    from gnnray.pipeline.seeds import SeedPlan, seed_dataset
+
+    plan = SeedPlan.for_run(seed_ids, s.batch_size, 1, s.seed)
+    ds = seed_dataset(plan, 0, epochs).limit(k * s.sampler_batches).map_batches(
+        StampedSamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=s.fanouts, plan=plan),
+        batch_size=None, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=k), num_cpus=1)
+    start, stamps, arrived, unpack_s = time.time(), [], [], 0.0
+    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+        stamps += block.column("stamp").to_pylist()
+        for packed in from_arrow(block):
+            t = time.perf_counter()
+            mb = MiniBatch.unpack(readonly_tensor(packed))
+            unpack_s += time.perf_counter() - t
+            assert mb.num_seeds > 0
+            arrived.append(time.time())
+    stamps = np.array(stamps)
+    calls = call_stats(stamps, k * s.sampler_warmup, k)
+    rate, busy = calls["rate"], calls["in_call_ms"]
+    return dict(actors=k, batches=len(stamps), calls=calls["calls"], warmup=k * s.sampler_warmup,
+                total_batches_per_s=rate, per_actor_batches_per_s=rate / k,
+                rows_by_actor=np.unique(stamps[:, 2], return_counts=True)[1].tolist(),
+                in_call_ms=busy, between_calls_ms=1000 * k / rate - busy, cpu_ms=calls["cpu_ms"],
+                first_batch_done_s=float(stamps[:, 1].min() - start),
+                consumer_lag_end_s=arrived[-1] - float(stamps[:, 1].max()), unpack_ms=1000 * unpack_s / len(stamps))

@@ -1,0 +1,181 @@
+"""The driver's training run: resume point, Ray Train attempts with restarts, final evaluation, summary.
+
+The stages it wires are listed in ``gnnray/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from gnnray.config import JobConfig
+from gnnray.data.graph import Graph
+from gnnray.data.store import GraphHandle
+from gnnray.driver import console, launch, preflight
+from gnnray.driver.failures import one_line
+from gnnray.errors import CheckpointError
+from gnnray.train import checkpoint
+from gnnray.train.loop import ModelFactory, WorkerSetup, train_loop
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The outcome of a run.
+
+    Attributes:
+        best_val_acc: Best validation accuracy over all epochs.
+        test_acc: Test accuracy after the last epoch (layer-wise with ``--eval layerwise``,
+            the sampled one is then ``metrics["test_acc_sampled"]``).
+        checkpoint: Directory of the last checkpoint.
+        metrics: The last epoch's reported metrics.
+        restarts: Restarts from a checkpoint after failures.
+    """
+
+    best_val_acc: float
+    test_acc: float
+    checkpoint: str
+    metrics: dict
+    restarts: int
+
+    def line(self) -> str:
+        sampled = self.metrics.get("test_acc_sampled")  # set when test_acc is layer-wise
+        return (f"best_val_acc={self.best_val_acc:.4f} test_acc={self.test_acc:.4f} "
+                + (f"test_acc_sampled={sampled:.4f} " if sampled is not None else "")
+                + f"epochs={self.metrics['epoch'] + 1} restarts={self.restarts} checkpoint={self.checkpoint}")
+
+
+def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary:
+    """Train as ``cfg`` says on the connected (or a new local) Ray cluster.
+
+    Args:
+        cfg: The job configuration.
+        model_factory: Optional ``(in_feats, num_classes, cfg) -> nn.Module``
+            with ``forward(blocks, x)``; the ``--model`` one by default.
+
+    Raises:
+        GnnrayError: Bad options, data or cluster; raised before training starts.
+        ray.train.TrainingFailedError: Training failed more than ``max_failures`` times.
+    """
+    import ray.train
+
+    run_dir = preflight.check_storage(cfg)
+    graph, handle, local = launch.load_and_publish(cfg)
+    use_gpu = launch.resolve_gpu(cfg, local)
+
+    restarts = 0
+    while True:
+        latest = _resume_point(cfg, run_dir)
+        if latest and latest.epoch + 1 >= cfg.train.epochs:
+            console.say(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
+                        "(use a new --name, or more --epochs to continue)")
+            return _summary(_final_eval(cfg, latest, graph, handle, model_factory, run_dir), restarts)
+        first_epoch = latest.epoch + 1 if latest else 0
+        if latest:
+            console.say(f"resuming run {cfg.run.name!r} from epoch {first_epoch} ({latest.path})")
+        setup = WorkerSetup(cfg, handle, first_epoch, latest.path if latest else None, restarts, run_dir,
+                            model_factory)
+        try:
+            with console.EpochPrinter(run_dir, cfg.train.epochs):
+                _fit(cfg, setup, graph, use_gpu)
+        except ray.train.TrainingFailedError as e:
+            if restarts >= cfg.run.max_failures:
+                raise
+            restarts += 1
+            console.say(f"training failed ({one_line(e)}); restart {restarts}/{cfg.run.max_failures} "
+                        "from the last checkpoint")
+            continue
+        latest, _ = checkpoint.latest_valid(run_dir)
+        return _summary(_final_eval(cfg, latest, graph, handle, model_factory, run_dir), restarts)
+
+
+def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> None:
+    """One Ray Train attempt over the stream of sampled mini-batches."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from gnnray.pipeline.seeds import SeedPlan
+    from gnnray.pipeline.stream import execution_options, minibatch_stream
+
+    plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, cfg.train.num_workers, cfg.run.seed)
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"setup": setup},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.train.num_workers, use_gpu=use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name,
+            storage_path=cfg.run.storage_path,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            # Restarts are the driver's (see run): the seed stream must restart
+            # at the checkpoint's epoch, which only a new dataset can do. That
+            # includes node preemptions, which Ray Train would otherwise retry
+            # itself, from the attempt's first epoch.
+            failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
+        ),
+        datasets={"train": minibatch_stream(cfg, setup.graph, plan, setup.first_epoch)},
+        # Ray Train splits with equal=True, so every rank gets the same row count.
+        dataset_config=ray.train.DataConfig(datasets_to_split=["train"], execution_options=execution_options()),
+    )
+    trainer.fit()
+
+
+def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph, handle: GraphHandle,
+                model_factory: Optional[ModelFactory], run_dir: str) -> checkpoint.CheckpointInfo:
+    """With ``--eval layerwise``, replace the last checkpoint's sampled accuracies by layer-wise inference's.
+
+    The sampled test accuracy is kept as ``test_acc_sampled``; the result is
+    written into the checkpoint's ``meta.json``, so it is computed once.
+    """
+    from gnnray.inference import layerwise
+
+    if cfg.train.eval != "layerwise" or latest.metrics.get("eval") == "layerwise":
+        return latest
+    model, embedding = layerwise.load_model(latest.path, cfg, graph.feat_dim, graph.num_classes, model_factory)
+    if not layerwise.supports_layerwise(model):
+        console.say(f"note: {type(model).__name__} has no layer(i, block, h): final accuracies are sampled")
+        return latest
+    result = layerwise.run(graph, handle, model, embedding=embedding, work_dir=os.path.join(run_dir, "inference"),
+                           batch_size=cfg.train.inference_batch_size,
+                           actors=(cfg.sampler.actors_min, cfg.sampler.actors_max),
+                           cpus_per_actor=cfg.sampler.cpus_per_actor)
+    console.say(f"layer-wise inference: {result.num_nodes:,} nodes in {result.seconds:.1f}s, "
+                f"val_acc={result.accuracy['valid']:.4f} test_acc={result.accuracy['test']:.4f}")
+    update = {"eval": "layerwise", "val_acc_layerwise": result.accuracy["valid"],
+              "test_acc": result.accuracy["test"], "inference_s": result.seconds}
+    if "test_acc" in latest.metrics:
+        update["test_acc_sampled"] = latest.metrics["test_acc"]
+    checkpoint.update_metrics(latest.path, update)
+    return checkpoint.read_info(latest.path) or latest
+
+
+def _resume_point(cfg: JobConfig, run_dir: str) -> Optional[checkpoint.CheckpointInfo]:
+    """The newest valid checkpoint of the run (``None``: start fresh), saying which ones were skipped and why.
+
+    Raises:
+        CheckpointError: Only corrupt checkpoints are left: starting over would
+            silently discard the run, so the user decides.
+    """
+    extra = ("embedding",) if cfg.data.embedding_dim else ()
+    latest, bad = checkpoint.latest_valid(run_dir, extra)
+    corrupt = {}
+    for path in bad:
+        reason = checkpoint.corrupt_reason(path, extra)
+        if reason:
+            corrupt[path] = reason
+        console.say(f"warning: skipping {'corrupt' if reason else 'incomplete'} checkpoint {path} "
+                    f"({reason or 'partly written: a crash while it was saved'})")
+    if latest is None and corrupt:
+        path, reason = max(corrupt.items())
+        raise CheckpointError(f"run {cfg.run.name!r} cannot resume: checkpoint {path} is corrupt ({reason}) and no "
+                              f"older good one is left; delete the run's checkpoint_* directories to start it "
+                              f"over, or use a new --name")
+    return latest
+
+
+def _summary(info: checkpoint.CheckpointInfo, restarts: int) -> Summary:
+    m = info.metrics
+    return Summary(float(m["best_val_acc"]), float(m.get("test_acc", float("nan"))), info.path, m, restarts)

@@ -1,0 +1,85 @@
+"""``jobs/predict.py``: predict every node from a checkpoint with layer-wise inference and write Parquet."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+from gnnray.errors import ConfigError
+from gnnray.inference.layerwise import InferenceResult, load_model, run
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``jobs/predict.py``: predict every node from a checkpoint and write Parquet; returns the exit code."""
+    import argparse
+    import dataclasses
+    import sys
+
+    from gnnray.errors import GnnrayError
+
+    p = argparse.ArgumentParser(
+        prog="predict.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Predict every node of a trained run's graph with layer-wise full-neighbor inference (a Ray "
+        "Data job per layer) and write node id, predicted class and optionally the final embedding to Parquet.")
+    p.add_argument("--checkpoint", required=True,
+                   help="a checkpoint directory, or a run directory (STORAGE_PATH/NAME: its newest valid checkpoint)")
+    p.add_argument("--output", required=True, help="Parquet file to write (columns id, pred[, embedding])")
+    p.add_argument("--embeddings", action="store_true",
+                   help="also write each node's final embedding (the input of the output layer)")
+    p.add_argument("--dataset", default=None, help="override the dataset stored in the checkpoint")
+    p.add_argument("--data-dir", default=None, help="override the data directory stored in the checkpoint")
+    p.add_argument("--work-dir", default=None,
+                   help="where hidden layers' outputs are written meanwhile (default: beside --output; "
+                   "on several nodes it must be a shared file system)")
+    p.add_argument("--batch-size", type=int, default=None, help="nodes per chunk (default: the run's)")
+    a = p.parse_args(argv)
+    try:
+        if a.batch_size is not None and a.batch_size < 1:
+            raise ConfigError(f"--batch-size {a.batch_size}: must be at least 1")
+        cfg, directory = _checkpoint_config(a.checkpoint)
+        data = dataclasses.replace(cfg.data, **{k: v for k, v in (("dataset", a.dataset), ("data_dir", a.data_dir))
+                                                 if v is not None})
+        cfg = dataclasses.replace(cfg, data=data)
+        result = _predict(cfg, directory, a.output, a.embeddings,
+                          a.work_dir or os.path.dirname(os.path.abspath(a.output)),
+                          a.batch_size or cfg.train.inference_batch_size)
+    except GnnrayError as e:
+        print(f"gnnray: error: {e}", file=sys.stderr)
+        return 2
+    acc = " ".join(f"{k}_acc={v:.4f}" for k, v in result.accuracy.items())
+    print(f"predicted {result.num_nodes} nodes in {result.seconds:.1f}s: {acc} output={result.output}", flush=True)
+    return 0
+
+
+def _checkpoint_config(path: str):
+    """The configuration stored with the checkpoint at ``path`` (or the newest valid one of run directory ``path``)."""
+    from gnnray.config import from_dict
+    from gnnray.train import checkpoint
+
+    info = checkpoint.read_info(path)
+    if info is None:
+        info, _ = checkpoint.latest_valid(path)
+    if info is None:
+        raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected a directory with state.pt "
+                          "and meta.json, or a run directory STORAGE_PATH/NAME holding checkpoint_* directories)")
+    meta = checkpoint.read_meta(info.path)
+    if "config" not in meta:
+        raise ConfigError(f"--checkpoint {info.path}: it stores no job configuration (written by an older "
+                          "gnnray); retrain, or call gnnray.inference.layerwise.run with the model yourself")
+    if meta["config"].get("custom_model"):
+        raise ConfigError(f"--checkpoint {info.path}: trained with a custom model factory that predict.py cannot "
+                          "rebuild; call gnnray.inference.layerwise.load_model with it and gnnray.inference.layerwise.run")
+    return from_dict(meta["config"]), info.path
+
+
+def _predict(cfg, directory: str, output: str, with_embeddings: bool, work_dir: str,
+             batch_size: int) -> InferenceResult:
+    from gnnray.data.load import load_graph
+    from gnnray.driver.launch import publish_checked
+
+    graph = load_graph(cfg.data, cfg.run.seed)
+    model, embedding = load_model(directory, cfg, graph.feat_dim, graph.num_classes)  # a mismatch fails before Ray
+    graph, handle, _ = publish_checked(cfg, graph)
+    return run(graph, handle, model, embedding=embedding, work_dir=work_dir, batch_size=batch_size,
+               actors=(cfg.sampler.actors_min, cfg.sampler.actors_max), cpus_per_actor=cfg.sampler.cpus_per_actor,
+               output=output, with_embeddings=with_embeddings)

@@ -1,0 +1,61 @@
+"""Bounded read-ahead (``--max-ahead``): a Ray Data backpressure policy that counts mini-batches.
+
+The sampler operator may take a new seed block only while the mini-batches
+it was given, minus those Ray Data has handed to the train workers, are fewer
+than ``max_ahead x workers``. So at most ``max_ahead x workers`` batches plus
+one seed block exist beyond what the workers took, in any epoch of any run,
+whatever the size of the object store.
+
+Why a policy of our own: Ray Data's built-in limits are byte budgets. By
+default they scale with the node's object store, and a budget exhausted to
+zero still lets one output through per scheduling round (its liveness guard),
+so one busy sampler actor is never held back. The stream's rows are training
+steps, so the bound that keeps a long run honest is a count of rows.
+
+The policy plugs into Ray Data's executor through ``DataContext``'s
+``backpressure_policies.enabled`` config, which the dataset carries to the
+process that executes it. Ray Data exports no public base class for it: this
+module is the one place that reads ``ray.data._internal``.
+"""
+
+from __future__ import annotations
+
+from ray.data._internal.execution.backpressure_policy import (
+    ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY,
+    BackpressurePolicy,
+)
+from ray.data._internal.execution.backpressure_policy import ENABLED_BACKPRESSURE_POLICIES
+
+_LIMIT_KEY = "gnnray.max_ahead_rows"
+_OPERATOR_KEY = "gnnray.max_ahead_operator"
+
+
+def bound_read_ahead(dataset, operator_name: str, max_rows: int) -> None:
+    """Let the operator named ``operator_name`` run at most ``max_rows`` rows ahead of the dataset's consumers."""
+    ctx = dataset.context
+    ctx.set_config(_LIMIT_KEY, int(max_rows))
+    ctx.set_config(_OPERATOR_KEY, operator_name)
+    policies = ctx.get_config(ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY, ENABLED_BACKPRESSURE_POLICIES)
+    ctx.set_config(ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY,
+                   [p for p in policies if p is not MaxAheadPolicy] + [MaxAheadPolicy])
+
+
+class MaxAheadPolicy(BackpressurePolicy):
+    """Admit a new input into the bounded operator only while it is fewer than the limit's rows ahead."""
+
+    @property
+    def name(self) -> str:
+        return "MaxAhead"
+
+    def can_add_input(self, op) -> bool:
+        limit = self._data_context.get_config(_LIMIT_KEY, None)
+        if limit is None or op.name != self._data_context.get_config(_OPERATOR_KEY, None):
+            return True
+        return rows_ahead(op, self._topology) < limit
+
+
+def rows_ahead(op, topology) -> int:
+    """Rows given to ``op`` that the consumers have not taken yet (queued, being sampled, or sampled and waiting)."""
+    last = next(o for o in topology if not o.output_dependencies)
+    waiting = sum(q.num_rows() for q in topology[last].output_queue._queues)
+    return op.metrics.num_row_inputs_received - (last.metrics.row_outputs_taken - waiting)

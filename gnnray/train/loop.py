@@ -1,0 +1,175 @@
+"""Stage 7 (train worker): the training loop each Ray Train worker runs.
+
+Input: this rank's shard of the sampled mini-batch stream, the node-shared
+graph (features for the gather, the structure for evaluation sampling) and the
+job configuration. Output: per-epoch ``ray.train.report`` with metrics and a
+checkpoint (rank 0 writes it).
+
+Each rank takes exactly ``steps_per_epoch`` rows per epoch from one stream that
+spans the run; the seeds stage made the row count divisible by the number of
+ranks, so every rank takes the same number of optimizer steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from gnnray.config import JobConfig
+from gnnray.data.store import GraphHandle
+from gnnray.logs import quiet_console
+from gnnray.metrics import TrainMetrics
+from gnnray.pipeline.batch import MiniBatch, from_arrow
+from gnnray.pipeline.prefetch import Prefetcher
+from gnnray.pipeline.seeds import steps_per_epoch
+from gnnray.train import checkpoint
+from gnnray.train.embedding import NodeEmbedding
+from gnnray.train.evaluate import Evaluator, model_input
+from gnnray.train.model import model_for
+from gnnray.train.report import METRICS_LOG, Progress, max_private_memory_mb, report, saved_config
+
+ModelFactory = Callable[[int, int, JobConfig], torch.nn.Module]
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What the driver hands every train worker.
+
+    Attributes:
+        cfg: The job configuration.
+        graph: Handle of the node-shared graph.
+        first_epoch: The epoch the seed stream starts at.
+        resume_from: Checkpoint directory to restore, chosen by the driver.
+        restarts: How many times the driver restarted the run so far.
+        run_dir: The run's directory: rank 0 appends each epoch's metrics to
+            its ``metrics.jsonl`` and records progress there; the driver
+            prints both as they arrive.
+        model_factory: ``(in_feats, num_classes, cfg) -> nn.Module`` whose
+            ``forward(blocks, x)`` returns logits; ``--model`` by default.
+    """
+
+    cfg: JobConfig
+    graph: GraphHandle
+    first_epoch: int
+    resume_from: Optional[str] = None
+    restarts: int = 0
+    run_dir: Optional[str] = None
+    model_factory: Optional[ModelFactory] = None
+
+
+def train_loop(config: dict) -> None:
+    """The ``train_loop_per_worker`` of the job's ``TorchTrainer``; ``config["setup"]`` is a :class:`WorkerSetup`."""
+    import os
+
+    import ray.train
+    import ray.train.torch
+
+    setup: WorkerSetup = config["setup"]
+    cfg = setup.cfg
+    # Ray Train's per-report INFO lines reach the root logger's console here;
+    # its app log file keeps them (README, "Logs").
+    quiet_console("", cfg.run.verbose)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+
+    # 1. The node-shared graph, the model and, with --embedding-dim, the node embeddings.
+    graph = setup.graph.get()
+    model = (setup.model_factory or model_for)(graph.feat_dim + cfg.data.embedding_dim, graph.num_classes, cfg)
+    # Replicated on every rank, outside DDP; see gnnray.train.embedding for how the ranks stay consistent.
+    embedding = (NodeEmbedding(graph.num_nodes, cfg.data.embedding_dim, cfg.train.embedding_lr or cfg.train.lr,
+                               cfg.run.seed) if cfg.data.embedding_dim else None)
+
+    # 2. Restore the checkpoint the driver chose, if any.
+    state = checkpoint.load_state(setup.resume_from) if setup.resume_from else None
+    if state:
+        model.load_state_dict(state["model"])
+        if embedding:
+            embedding.load_state_dict(state["embedding"])
+
+    # 3. Ray Train: wrap the model in DDP and move it to this worker's device.
+    model = ray.train.torch.prepare_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    start, best_val = setup.first_epoch, 0.0
+    if state:  # after prepare_model: load_state_dict moves the state to the parameters' device
+        optimizer.load_state_dict(state["optimizer"])
+        start, best_val = state["epoch"] + 1, state["best_val_acc"]
+
+    # 4. Ray Train: this rank's shard of the mini-batch stream. Whole blocks,
+    # rows sliced out by from_arrow: cheaper than Ray Data's per-row batching.
+    # No extra block prefetch: the split iterator already fetches one block
+    # ahead and the Prefetcher prepares --prefetch batches (read_ahead.py).
+    steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, world)
+    shard = ray.train.get_dataset_shard("train")
+    blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+    rows = (row for block in blocks for row in from_arrow(block))
+    evaluator = Evaluator(graph, cfg, rank, world, device, embedding)
+    exported = TrainMetrics(cfg.run.name, rank)
+    progress = Progress(setup.run_dir if rank == 0 else None)
+    metrics_log = os.path.join(setup.run_dir, METRICS_LOG) if setup.run_dir and rank == 0 else None
+
+    with Prefetcher(rows, graph.feat, device, depth=cfg.train.prefetch) as batches:
+        for _ in range((start - setup.first_epoch) * steps):  # stream starts before the checkpoint: skip
+            next(batches)
+        for epoch in range(start, cfg.train.epochs):
+            # 5. Train one epoch, then evaluate (sampled, all ranks together).
+            stats = train_epoch(model, optimizer, batches, steps, graph.num_classes, device, exported, embedding,
+                                lambda step: progress.update(epoch, step, steps))
+            val_acc = evaluator.accuracy(model, "valid")
+            best_val = max(best_val, val_acc)
+            metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=setup.restarts)
+            if epoch == cfg.train.epochs - 1:
+                metrics["test_acc"] = evaluator.accuracy(model, "test")
+            metrics["worker_uss_mb"] = max_private_memory_mb(device)
+            exported.epoch(epoch, metrics)
+            # 6. Ray Train: report the metrics, with rank 0's checkpoint.
+            report(metrics, model, optimizer, rank, metrics_log, embedding,
+                   saved_config(cfg, setup.model_factory is not None))
+
+
+def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device,
+                exported: Optional[TrainMetrics] = None, embedding: Optional[NodeEmbedding] = None,
+                on_step: Optional[Callable[[int], None]] = None) -> dict:
+    """Take ``steps`` optimizer steps over ``batches``; return the epoch's metrics, reduced over the ranks."""
+    from torchmetrics import MeanMetric, SumMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    loss_avg, wait_avg = MeanMetric().to(device), MeanMetric().to(device)
+    seeds_sum, acc = SumMetric().to(device), MulticlassAccuracy(num_classes, average="micro").to(device)
+    model.train()
+    start = time.perf_counter()
+    wait = 0.0
+    for step in range(steps):
+        t = time.perf_counter()
+        mb = next(batches)
+        waited = time.perf_counter() - t
+        wait += waited
+        logits = model(mb.blocks(), model_input(mb, embedding))
+        # An empty batch (a split smaller than the ranks) still steps, with a
+        # zero loss, so every rank joins the same DDP all-reduces.
+        loss = F.cross_entropy(logits, mb.labels) if mb.num_seeds else logits.sum() * 0.0
+        optimizer.zero_grad(set_to_none=True)
+        if embedding:
+            embedding.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if embedding:
+            embedding.step()  # sparse all-reduce over the ranks, then SparseAdam
+        if mb.num_seeds:
+            loss_avg.update(loss.detach(), weight=mb.num_seeds)
+            acc.update(logits.argmax(1), mb.labels)
+        seeds_sum.update(mb.num_seeds)
+        if exported:
+            exported.step(time.perf_counter() - t, waited, mb.num_seeds)
+        if on_step:
+            on_step(step + 1)
+    elapsed = time.perf_counter() - start
+    wait_avg.update(wait / elapsed)
+    seeds = float(seeds_sum.compute())
+    return dict(loss=float(loss_avg.compute()), train_acc=float(acc.compute()), epoch_time=elapsed,
+                seeds_per_s=seeds / elapsed, data_wait=float(wait_avg.compute()))

@@ -1,0 +1,93 @@
+"""What rank 0 hands the driver: the epoch's metrics line, its checkpoint, and progress within the epoch.
+
+The metrics line goes to ``STORAGE_PATH/NAME/metrics.jsonl`` (the driver
+prints it, tools read it) and with the checkpoint through ``ray.train.report``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Optional
+
+import torch
+
+from gnnray.train import checkpoint
+from gnnray.train.embedding import NodeEmbedding
+
+METRICS_LOG = "metrics.jsonl"  # rank 0 appends one JSON line per epoch
+PROGRESS_FILE = ".progress"  # rank 0 rewrites "epoch step steps" during an epoch
+
+
+def saved_config(cfg, custom_model: bool) -> dict:
+    """The configuration a checkpoint stores, so that ``jobs/predict.py`` can rebuild model and graph."""
+    return {**dataclasses.asdict(cfg), "custom_model": custom_model}
+
+
+class Progress:
+    """Rank 0's progress within an epoch, written at most every ``every_s`` seconds for the driver's progress bar."""
+
+    def __init__(self, run_dir: Optional[str], every_s: float = 0.5):
+        self._path = os.path.join(run_dir, PROGRESS_FILE) if run_dir else None
+        self._every_s, self._last = every_s, 0.0
+
+    def update(self, epoch: int, step: int, steps: int) -> None:
+        import time
+
+        now = time.monotonic()
+        if self._path is None or (now - self._last < self._every_s and step < steps):
+            return
+        self._last = now
+        with open(self._path + ".tmp", "w") as f:
+            f.write(f"{epoch} {step} {steps}")
+        os.replace(self._path + ".tmp", self._path)
+
+
+def max_private_memory_mb(device) -> float:
+    """The largest private memory (USS, MiB) of the ranks' processes; flat over epochs in a healthy run.
+
+    USS leaves out the node-shared graph, so it shows what each process holds
+    by itself (``worker_uss_mb`` in the metrics). Free memory the C allocator
+    keeps is handed back first (glibc ``malloc_trim``): it is not growth, and
+    returning it once an epoch is cheap.
+    """
+    import psutil
+    import torch.distributed as dist
+
+    trim_heap()
+    uss = torch.tensor(psutil.Process().memory_full_info().uss / 2**20, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(uss, op=dist.ReduceOp.MAX)
+    return float(uss)
+
+
+def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str],
+            embedding: Optional[NodeEmbedding] = None, config: Optional[dict] = None) -> None:
+    import ray.train
+
+    if rank != 0:
+        ray.train.report(metrics)
+        return
+    # The log line goes first: a crash between the two then repeats the
+    # epoch's line after the restart, rather than losing it while its
+    # checkpoint exists.
+    if metrics_log:
+        with open(metrics_log, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = {"embedding": embedding.state_dict()} if embedding else None
+        checkpoint.save(tmp, getattr(model, "module", model), optimizer, metrics, extra=extra, config=config)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``), so USS shows what is held, not cached."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
