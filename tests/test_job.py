@@ -20,7 +20,7 @@ from gnnray.train.report import METRICS_LOG
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16",
              "--fanouts", "5,5", "--batch-size", "128", "--hidden", "32", "--num-workers", "2",
-             "--sampler-actors", "1,2", "--eval", "sampled"]  # layer-wise inference: tests/test_inference.py
+             "--sampler-actors", "1,2", "--eval", "sampled"]  # layer-wise inference: tests/inference/test_inference.py
 
 
 def _epochs_logged(storage: Path, name: str) -> list[dict]:

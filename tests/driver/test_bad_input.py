@@ -148,7 +148,7 @@ BAD_DATA = {
 
 @pytest.mark.parametrize("case", list(BAD_DATA))
 def test_bad_graph_data_rejected_before_any_worker(ray_cluster, tmp_path, capsys, case):
-    """Drill 6 end to end (tests/test_datasets.py checks every case of the loader): file, column and problem named."""
+    """Drill 6 end to end (tests/data/test_datasets.py checks every case of the loader): file, column and problem named."""
     overrides, file, column, problem = BAD_DATA[case]
     graph = _graph_dir(tmp_path / "graph", **overrides)
     err = _rejected(["--dataset", str(graph), "--storage-path", str(tmp_path)], capsys)

@@ -74,7 +74,7 @@ def test_models_give_the_same_logits_on_int32_and_int64_batches(name):
 def test_gat_trains_through_the_job(ray_cluster, tmp_path):
     """GAT trains with the same job and loop, and its final accuracy is layer-wise.
 
-    GCN runs through the job in tests/test_embedding.py (on learned embeddings).
+    GCN runs through the job in tests/train/test_embedding.py (on learned embeddings).
     """
     from gnnray.train import checkpoint
     from gnnray.driver.fit import run

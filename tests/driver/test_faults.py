@@ -161,7 +161,7 @@ def test_exception_on_one_rank_ends_the_run(ray_cluster, tmp_path):
 def test_private_memory_flat_over_epochs(resumed_run):
     """Drill 12: over 8 epochs the train workers' private memory (``worker_uss_mb``) does not keep growing.
 
-    The run is the one of drill 8 (tests/drills.py). After the first epochs USS
+    The run is the one of drill 8 (tests/driver/drills.py). After the first epochs USS
     rises by ~2.5 MiB an epoch here while Ray's and the allocators' caches fill
     (over 40 epochs it levels off: +34 MiB by epoch 25, then ~0.1 MiB an
     epoch); keeping each step's mini-batch (~0.5 MiB, 29 steps) would add ~15.

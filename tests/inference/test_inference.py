@@ -20,7 +20,7 @@ from gnnray.config import parse_args
 from gnnray.data.store import publish
 from gnnray.train.model import build_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def full_graph_forward(model, graph, x: np.ndarray) -> torch.Tensor:

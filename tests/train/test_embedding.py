@@ -126,7 +126,7 @@ def test_featureless_graph_gets_zero_width_features(tmp_path):
 def test_featureless_job_learns_from_structure(ray_cluster, tmp_path):
     """GCN on 2 ranks with --embedding-dim on a graph without features: well above chance; checkpoints hold the table.
 
-    This is also the test that GCN trains through the job (GAT's is in tests/test_model.py).
+    This is also the test that GCN trains through the job (GAT's is in tests/train/test_model.py).
     """
     from gnnray.driver.fit import run
 

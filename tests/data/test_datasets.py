@@ -26,7 +26,7 @@ from gnnray.data.graph import Graph
 # find_spec, not importorskip: importing ogb here would start its PyPI version
 # check, which gnnray.datasets suppresses when it imports ogb itself.
 needs_ogb = pytest.mark.skipif(importlib.util.find_spec("ogb") is None, reason="the ogb package is not installed")
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "datasets"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"real datasets not found at {SHARED} "
                                   "(expected ../shared/datasets beside the repository)")
 

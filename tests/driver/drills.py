@@ -1,4 +1,4 @@
-"""Helpers of the reliability drills (tests/test_faults.py, test_resume.py, test_bad_input.py).
+"""Helpers of the reliability drills (tests/driver/test_faults.py, test_resume.py, test_bad_input.py).
 
 The drills run the real job on the session's cluster, in a thread of the test
 process (so a custom model can be passed) or as a subprocess, and act on it
@@ -26,7 +26,7 @@ from gnnray.config import parse_args
 from gnnray.driver.fit import run
 from gnnray.train.report import METRICS_LOG
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Small and quick, but with enough steps (1800 train seeds / (32 x 2)) that an
 # epoch lasts long enough to be interrupted; --eval sampled skips the
 # layer-wise inference pass after training.
