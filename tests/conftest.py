@@ -18,6 +18,14 @@ os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's dependency asks PyPI for 
 SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The session's Ray cluster (``ray.cluster_utils.Cluster``), started once (10-40 s here).
@@ -31,7 +39,9 @@ def cluster():
     import ray.data
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6})
+    # A free dashboard port: the state API and the Train view need the dashboard, and another Ray
+    # instance on this machine may hold the default one.
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "dashboard_port": _free_port()})
     ray.init(address=c.address, runtime_env={"env_vars": {"DGLBACKEND": "pytorch", "OUTDATED_IGNORE": "1"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield c

@@ -147,6 +147,12 @@ def test_submitted_job_succeeds_and_logs_epochs(head, tmp_path):
     assert all(k in epochs[0] for k in ("loss=", "val_acc=", "seeds_per_s=", "data_wait=", "eta="))
     assert sum(l.startswith("best_val_acc=") for l in logs.splitlines()) == 1
     assert [json.loads(l)["epoch"] for l in (tmp_path / "submitted" / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    # The console is the run's own lines, not Ray's INFO chatter (that goes to the session's log files).
+    assert len(logs.splitlines()) <= 15, logs
+
+    # The dashboard's Train view (its HTTP API for Train V2 runs) lists the run, finished.
+    runs = head.api("/api/train/v2/runs/v1")["train_runs"]
+    assert [r["status"] for r in runs if r["name"] == "submitted"] == ["FINISHED"], runs
 
     # What was uploaded: the sources, without venv, VCS data or outputs (.rayignore).
     pkg_dirs = [p for p in Path(head.temp).glob("session_2*/runtime_resources/working_dir_files/*") if p.is_dir()]
