@@ -1,0 +1,88 @@
+"""The package's layout: no import cycles, and each folder imports only the stages it may run beside."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gnnray"
+# What each folder may import from the package (besides itself and the shared top-level modules).
+ALLOWED = {
+    "data": set(),
+    "pipeline": {"data"},
+    "train": {"data", "pipeline"},
+    "inference": {"data", "pipeline", "train"},
+    "driver": {"data", "pipeline", "train", "inference"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the gnnray modules it imports anywhere in its body (lazy imports in functions count)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gnnray"):
+                for alias in node.names:  # `from gnnray.x import y` imports module gnnray.x.y if it exists
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name.startswith("gnnray"))
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a list of modules, or ``[]``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        state[m] = 2
+        path.pop()
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return []
+
+
+def test_no_import_cycles():
+    assert find_cycle(import_graph()) == []
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_folders_import_only_the_stages_before_them():
+    wrong = []
+    for module, targets in import_graph().items():
+        folder = module.split(".")[1] if module.count(".") >= 2 else None
+        for t in targets:
+            other = t.split(".")[1] if t.count(".") >= 2 else None
+            if folder and other and other != folder and other not in ALLOWED[folder]:
+                wrong.append(f"{module} imports {t}")
+    assert wrong == []
+
+
+def test_stage_table_names_existing_files():
+    import gnnray
+
+    table = [line.split()[1].strip("`") for line in gnnray.__doc__.splitlines() if line[:1].isdigit()]
+    assert len(table) >= 8
+    assert [f for f in table if not (PACKAGE / f).is_file()] == []
