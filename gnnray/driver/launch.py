@@ -12,6 +12,8 @@ from gnnray.data.store import GraphHandle
 from gnnray.driver import console, preflight
 from gnnray.errors import ClusterError
 
+_RAY_DEPRECATION = "`ExecutionOptions.exclude_resources` is deprecated"
+
 
 def init_ray(cfg: JobConfig) -> bool:
     """Connect to ``RAY_ADDRESS`` or start a local cluster; return whether it is local (fixed size).
@@ -25,8 +27,9 @@ def init_ray(cfg: JobConfig) -> bool:
     os.environ.setdefault("DGLBACKEND", "pytorch")
     # The dashboard's Train view lists only runs whose driver tracks Train state.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
-    # Raised inside Ray Train's own use of ExecutionOptions, not by anything a user can change.
-    warnings.filterwarnings("ignore", message=".*exclude_resources.* is deprecated")
+    # Raised by Ray Train's own use of ExecutionOptions (in this process and in its controller), not by
+    # anything a user can change: hidden here and in the processes of a local cluster, which inherit it.
+    warnings.filterwarnings("ignore", message=_RAY_DEPRECATION)
     local = False
     if not ray.is_initialized():
         options = dict(logging_config=ray.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
@@ -42,6 +45,8 @@ def init_ray(cfg: JobConfig) -> bool:
                     + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1)
             # address="local": a new cluster even if another runs on this
             # machine (joining one is what RAY_ADDRESS is for).
+            os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
+                                                                  f"ignore:{_RAY_DEPRECATION}"]))
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), **options)
     console.quiet_ray(cfg.run.verbose)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.run.verbose and sys.stdout.isatty()
