@@ -81,3 +81,24 @@ def shared_dataset(name: str) -> Path:
     if not path.is_dir():
         pytest.skip(f"needs {path} (the shared datasets beside the repository)")
     return path
+
+
+def run_gloo_ranks(target, tmp_path, world: int = 2, timeout: float = 300) -> None:
+    """Run ``target(rank, port, str(tmp_path))`` in ``world`` spawned processes that can form a gloo group on
+    ``127.0.0.1:port``; fail unless every one exits 0 (results come back through files in ``tmp_path``)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * world

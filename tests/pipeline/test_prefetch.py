@@ -190,7 +190,10 @@ def test_empty_batch(feat):
         check(next(p), rows[1], feat)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NO_GPU = "needs a CUDA GPU; this machine has none (CPU only)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 def test_cuda_delivery(feat):
     rows = [make_packed(i, 1 + (i * 5) % 23, num_extra=i % 4) for i in range(16)]
     p = Prefetcher(rows, feat, "cuda", depth=2)
@@ -208,4 +211,76 @@ def test_cuda_delivery(feat):
     for slot in used:
         assert slot._feat.is_pinned()
         assert slot._ids.is_pinned()
+    close_or_fail(p)
+
+
+# About 20-50 ms of GPU time per batch (clock rates 1-2.5 GHz): far longer than the consumer takes to launch its kernel.
+SLEEP_CYCLES = 50_000_000
+
+
+def make_wide_packed(i: int, num_nodes: int, num_input: int, num_seeds: int = 8) -> np.ndarray:
+    """A packed one-layer mini-batch with many input nodes: megabytes of features per batch."""
+    rng = np.random.default_rng(1000 + i)
+    input_nodes = rng.choice(num_nodes, num_input, replace=False)
+    indptr = np.arange(0, 2 * num_seeds + 1, 2)
+    indices = rng.integers(0, num_input, 2 * num_seeds)
+    layer = Layer(torch.from_numpy(indptr), torch.from_numpy(indices), num_input)
+    seeds = torch.from_numpy(input_nodes[:num_seeds])
+    return MiniBatch(seeds, seeds % 3, torch.from_numpy(input_nodes), [layer]).pack()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_cuda_consumer_stream_waits_for_the_copy():
+    """A kernel launched on the consumer's stream right after ``next`` reads the batch's copied data.
+
+    The batch is copied on the Prefetcher's side stream; ``__next__`` makes the
+    consumer's current stream wait on the copy's event (``current.wait_event(ready)``).
+    To make the race certain, the source enqueues a GPU sleep on the side
+    stream before each row, so each copy lands only after that sleep (tens of
+    milliseconds; the copies of rows read ahead queue behind one another).
+    The consumer then at once launches ``mb.x * 1.0`` (and ``input_nodes + 0``)
+    on its current stream and compares the results with the host's.
+
+    With the wait, those kernels run after the copy: the results are exact.
+    Without it, they run while the side stream still sleeps, reading device
+    memory the copy has not written yet: fresh memory or the memory of an
+    earlier, already-consumed batch (other nodes), so ``torch.equal`` fails on
+    the first batch at the latest. ``.cpu()`` synchronises only the consumer's
+    stream (PyTorch's side streams do not synchronise with it implicitly), so
+    it cannot hide the missing wait.
+    """
+    num_nodes, num_input, dim = 50_000, 20_000, 32  # 2.5 MiB of features per batch
+    feat = np.random.default_rng(7).standard_normal((num_nodes, dim)).astype(np.float32)
+    rows = [make_wide_packed(i, num_nodes, num_input) for i in range(6)]
+    holder: dict = {}
+    started = threading.Event()
+
+    def delayed(source):
+        # Runs on the prefetch thread, right before the Prefetcher prepares (and copies) each row.
+        assert started.wait(60), "the test never handed over the Prefetcher"
+        stream = holder["p"]._stream
+        assert stream is not None
+        with torch.cuda.stream(stream):
+            # Warm the caching allocator on the side stream, so that the copies' allocations need no
+            # cudaMalloc (which could synchronise the device and so let the copy land early).
+            torch.empty(8 * num_input * dim, dtype=torch.float32, device="cuda")  # large pool: features
+            torch.empty(1024, dtype=torch.int64, device="cuda")  # small pool (one 2 MiB segment): ids
+        for row in source:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(SLEEP_CYCLES)  # the row's copy queues behind this on the side stream
+            yield row
+
+    p = Prefetcher(delayed(rows), feat, "cuda", depth=2)
+    holder["p"] = p
+    started.set()
+    n = 0
+    for i, mb in enumerate(p):
+        # Launched on the consumer's current stream at once, before anything synchronises.
+        x_read, ids_read = mb.x * 1.0, mb.input_nodes + 0
+        want = expected(rows[i])
+        assert torch.equal(ids_read.cpu(), want.input_nodes), f"batch {i}: input_nodes read before the copy landed"
+        assert torch.equal(x_read.cpu(), torch.from_numpy(feat[want.input_nodes.numpy()])), (
+            f"batch {i}: features read before the copy landed")
+        n += 1
+    assert n == len(rows)
     close_or_fail(p)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import run_gloo_ranks
 from gnnray.train import checkpoint
 from gnnray.config import DataConfig, parse_args
 from gnnray.data.load import load_graph
@@ -45,19 +44,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
 
 def test_sparse_updates_stay_identical_across_ranks(tmp_path):
     """Two gloo ranks end with the same table: the one a single process gets from the averaged gradients."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_gloo_ranks(_rank_main, tmp_path, timeout=180)
     rank0, rank1 = np.load(tmp_path / "rank0.npy"), np.load(tmp_path / "rank1.npy")
     np.testing.assert_array_equal(rank0, rank1)
 
