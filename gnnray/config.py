@@ -70,19 +70,23 @@ class _Options:
 class DataConfig(_Options):
     """Which graph to train on and how to prepare it."""
 
-    dataset: str = option("ogbn-arxiv", "ogbn-arxiv, ogbn-products, ogbn-papers100M, synthetic, or the path of a "
-                          "graph directory (edges.parquet, nodes.parquet, meta.json)")
+    dataset: str = option("ogbn-arxiv", "ogbn-arxiv, ogbn-products, ogbn-papers100M, synthetic, the typed "
+                          "ogbn-mag, mag240m and synthetic-hetero, or the path of a graph directory (edges.parquet, "
+                          "nodes.parquet, meta.json; a column 'type' in both makes it typed)")
     data_dir: str = option(DEFAULT_DATA_DIR, "root directory of local datasets (OGB layout: DATA_DIR/ogbn_arxiv)")
     reverse_edges: Optional[bool] = option(None, "add the reverse of every edge (auto: the dataset's default, yes "
-                                           "for ogbn-arxiv, papers100M and synthetic, no for graph directories)")
+                                           "for ogbn-arxiv, papers100M, synthetic and typed graphs, no for untyped "
+                                           "graph directories); on a typed graph each relation's reverse is a "
+                                           "relation of its own, rev_<relation>")
     self_loops: bool = option(False, "add a self loop to every node")
     random_features: int = option(0, "random features of this dimension for a graph without features (load tests "
                                   "only: they carry no signal)", metavar="DIM", **at_least(0))
     normalize_features: bool = option(False, "scale each node's features to sum to 1 (bag-of-words graphs such "
                                       "as cora)")
     embedding_dim: int = option(0, "learnable node embedding of this size as (extra) input, updated sparsely; lets "
-                                "a graph without features train (0: off)", metavar="DIM", **at_least(0))
-    synthetic_nodes: int = option(20_000, "nodes of the synthetic graph", **at_least(10))
+                                "a graph without features train; on a typed graph, nodes without features get it "
+                                "instead of their neighbors' mean (0: off)", metavar="DIM", **at_least(0))
+    synthetic_nodes: int = option(20_000, "nodes of the synthetic graph (papers of synthetic-hetero)", **at_least(10))
     synthetic_classes: int = option(8, "classes of the synthetic graph", **at_least(2))
     synthetic_feat_dim: int = option(64, "feature size of the synthetic graph", **at_least(1))
     synthetic_avg_degree: int = option(10, "average in-degree of the synthetic graph", **at_least(1))
@@ -127,9 +131,11 @@ class ModelConfig(_Options):
     """The GNN."""
 
     name: str = option("sage", "GraphSAGE (SAGEConv mean), GAT (GATConv) or GCN (GraphConv); gat and gcn want "
-                       "--self-loops", flag="--model", choices=("sage", "gat", "gcn"))
-    hidden: int = option(256, "hidden feature size (per head for gat)", **at_least(1))
-    heads: int = option(4, "attention heads of gat's hidden layers", **at_least(1))
+                       "--self-loops; on typed graphs rgat (a GATConv per relation, the MAG240M example's RGAT) "
+                       "and rsage (a SAGEConv per relation), the others ignoring types", flag="--model",
+                       choices=("sage", "gat", "gcn", "rgat", "rsage"))
+    hidden: int = option(256, "hidden feature size (per head for gat and rgat)", **at_least(1))
+    heads: int = option(4, "attention heads of gat's hidden layers and of rgat's layers", **at_least(1))
     dropout: float = option(0.5, "dropout probability", check=lambda v: 0.0 <= v < 1.0, need="must be in [0, 1)")
 
 

@@ -50,6 +50,56 @@ def csc_from_edges(src: np.ndarray, dst: np.ndarray, num_nodes: int) -> tuple[np
 
 
 
+def _scatter(indices: np.ndarray, free: np.ndarray, s: np.ndarray, d: np.ndarray,
+             etype: np.ndarray = None, t=None) -> None:
+    """Write the edges ``s -> d`` (and their relations ``t`` into ``etype``) at the next free slots of their ``d``."""
+    order = np.argsort(d, kind="stable")
+    d, s = d[order], s[order]
+    starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
+    counts = np.diff(np.r_[starts, d.size])
+    slot = free[d] + (np.arange(d.size) - np.repeat(starts, counts))  # rank among the chunk's edges into d
+    indices[slot] = s
+    if etype is not None:
+        etype[slot] = t[order]
+    free[d[starts]] += counts
+
+
+def typed_csc(src: np.ndarray, dst: np.ndarray, etype: np.ndarray, n: int, num_relations: int, reverse: bool,
+              chunk: int = CHUNK_EDGES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """In-edge CSC ``(indptr, indices, etype)`` of typed edges, built in chunks like :func:`bidirected_csc`.
+
+    With ``reverse``, each edge ``s -r-> d`` also becomes ``d -rev_r-> s``,
+    relation ``r + num_relations``. Duplicates are kept: two relations between
+    the same pair are two different edges. Peak memory is the output plus
+    ``chunk``-sized temporaries; the inputs may be memory-mapped.
+    """
+    m = int(src.shape[0])
+    total = num_relations * (2 if reverse else 1)
+    deg = np.zeros(n, dtype=np.int64)
+    for a in range(0, m, chunk):
+        deg += np.bincount(dst[a:a + chunk], minlength=n)
+        if reverse:
+            deg += np.bincount(src[a:a + chunk], minlength=n)
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(deg, out=indptr[1:])
+    del deg
+    indices = np.empty(int(indptr[-1]), dtype=np.int64)
+    types = np.empty(int(indptr[-1]), dtype=etype_dtype(total))
+    free = indptr[:-1].copy()
+    for a in range(0, m, chunk):
+        s, d = np.asarray(src[a:a + chunk], dtype=np.int64), np.asarray(dst[a:a + chunk], dtype=np.int64)
+        t = np.asarray(etype[a:a + chunk], dtype=types.dtype)
+        _scatter(indices, free, s, d, types, t)
+        if reverse:
+            _scatter(indices, free, d, s, types, t + num_relations)
+    return indptr, indices, types
+
+
+def etype_dtype(num_relations: int) -> np.dtype:
+    """The narrowest dtype of a relation code: one byte per edge while there are at most 127 relations."""
+    return np.dtype(np.int8 if num_relations <= 127 else np.int16)
+
+
 def bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
                     chunk: int = CHUNK_EDGES) -> tuple[np.ndarray, np.ndarray]:
     """In-edge CSC of the edges ``src -> dst`` and ``dst -> src``, duplicates dropped, built in chunks.
@@ -70,23 +120,14 @@ def bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
     indices = np.empty(int(indptr[-1]), dtype=np.int64)
     free = indptr[:-1].copy()  # next unwritten slot of each node's segment
 
-    def scatter(s: np.ndarray, d: np.ndarray) -> None:
-        order = np.argsort(d, kind="stable")
-        d, s = d[order], s[order]
-        starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
-        counts = np.diff(np.r_[starts, d.size])
-        rank = np.arange(d.size) - np.repeat(starts, counts)  # position among the chunk's edges into d
-        indices[free[d] + rank] = s
-        free[d[starts]] += counts
-
     for a in range(0, m, chunk):
         s, d = np.asarray(src[a:a + chunk], dtype=np.int64), np.asarray(dst[a:a + chunk], dtype=np.int64)
-        scatter(s, d)
-        scatter(d, s)
+        _scatter(indices, free, s, d)
+        _scatter(indices, free, d, s)
     if self_loops:
         for a in range(0, n, chunk):
             loops = np.arange(a, min(a + chunk, n), dtype=np.int64)
-            scatter(loops, loops)
+            _scatter(indices, free, loops, loops)
     del free
 
     # Sort each node's in-neighbors and drop duplicates, a block of nodes at a

@@ -30,6 +30,13 @@ class Graph:
         test_idx: int64 node ids of the test split.
         num_classes: Number of classes.
         name: Human-readable name for logs.
+        etype: Typed graphs only: relation of each in-edge, aligned with
+            ``indices`` (int8, or int16 past 127 relations); ``None`` for an
+            untyped graph, which then packs and stores nothing for types.
+        ntype: Typed graphs only: int8 node type of each node.
+        node_types: Names of the node types (``ntype`` codes index it).
+        edge_types: ``(src_type, relation, dst_type)`` per relation (``etype`` codes index it).
+        target_type: The node type that is labelled and split.
     """
 
     indptr: np.ndarray
@@ -41,6 +48,24 @@ class Graph:
     test_idx: np.ndarray
     num_classes: int
     name: str = "graph"
+    etype: Optional[np.ndarray] = None
+    ntype: Optional[np.ndarray] = None
+    node_types: tuple = ()
+    edge_types: tuple = ()
+    target_type: str = ""
+
+    @property
+    def typed(self) -> bool:
+        return self.etype is not None
+
+    @property
+    def num_relations(self) -> int:
+        return len(self.edge_types)
+
+    @property
+    def types(self) -> dict:
+        """The type names (not arrays): what travels beside the arrays in a :class:`~gnnray.data.store.GraphHandle`."""
+        return dict(node_types=self.node_types, edge_types=self.edge_types, target_type=self.target_type)
 
     @property
     def num_nodes(self) -> int:
@@ -80,17 +105,46 @@ class GraphParts:
     no_feat: str = ""  # where features were looked for, for the error message
     origins: dict = field(default_factory=dict)  # "feat"/"label": the file and column read, named by validate
     reverse_default: bool = False  # add reverse edges unless --reverse-edges says otherwise
+    # Typed graphs only (etype is None otherwise): relation code of each edge
+    # (aligned with src, dst), node type code of each node, their names, the
+    # labelled type, and which nodes have features (None: all do).
+    etype: Optional[np.ndarray] = None
+    ntype: Optional[np.ndarray] = None
+    node_types: tuple = ()
+    edge_types: tuple = ()
+    target_type: str = ""
+    has_feat: Optional[np.ndarray] = None
+
+    @property
+    def typed(self) -> bool:
+        return self.etype is not None
 
     def build(self, reverse: Optional[bool] = None, self_loops: bool = False) -> Graph:
-        """The :class:`Graph` of these parts (``reverse=None``: :attr:`reverse_default`); frees the edge list."""
-        from gnnray.data.csc import build_csc
+        """The :class:`Graph` of these parts (``reverse=None``: :attr:`reverse_default`); frees the edge list.
 
-        indptr, indices = build_csc(self.src, self.dst, self.num_nodes,
-                                    self.reverse_default if reverse is None else reverse, self_loops)
-        self.src = self.dst = None  # possibly memory-mapped and large: not needed once the CSC exists
+        A typed graph's reverse edges are relations of their own, ``rev_<relation>``.
+        """
+        from gnnray.data.csc import build_csc, typed_csc
+
+        reverse = self.reverse_default if reverse is None else reverse
+        types = {}
+        if self.typed:
+            if self_loops:
+                raise DatasetError(f"{self.name}: --self-loops is not supported on a typed graph (a self loop has no "
+                                   f"relation); drop it: rgat and rsage add each node's own features themselves")
+            indptr, indices, etype = typed_csc(self.src, self.dst, self.etype, self.num_nodes,
+                                               len(self.edge_types), reverse)
+            edge_types = tuple(tuple(t) for t in self.edge_types)
+            if reverse:
+                edge_types += tuple((d, f"rev_{r}", s) for s, r, d in edge_types)
+            types = dict(etype=etype, ntype=self.ntype, node_types=tuple(self.node_types), edge_types=edge_types,
+                         target_type=self.target_type)
+        else:
+            indptr, indices = build_csc(self.src, self.dst, self.num_nodes, reverse, self_loops)
+        self.src = self.dst = self.etype = None  # possibly memory-mapped and large: not needed once the CSC exists
         return Graph(indptr=indptr, indices=indices, feat=self.feat, label=self.label,
                      train_idx=self.splits["train"], valid_idx=self.splits["valid"], test_idx=self.splits["test"],
-                     num_classes=self.num_classes, name=self.name)
+                     num_classes=self.num_classes, name=self.name, **types)
 
 
 def check_ids(ids: np.ndarray, n: int, what: str) -> None:

@@ -36,12 +36,16 @@ def load_graph(cfg: DataConfig, seed: int = 0) -> Graph:
     Raises:
         DatasetError: The dataset is unknown, missing, unreadable or inconsistent.
     """
-    from gnnray.data import graph_dir, ogb, synthetic
+    from gnnray.data import graph_dir, mag, ogb, synthetic, typed
 
-    if cfg.dataset == "synthetic":
-        source = "synthetic"
-        parts = synthetic.synthetic_parts(cfg.synthetic_nodes, cfg.synthetic_classes, cfg.synthetic_feat_dim,
-                                          cfg.synthetic_avg_degree, seed)
+    if cfg.dataset in ("synthetic", "synthetic-hetero"):
+        source = cfg.dataset
+        make = synthetic.synthetic_parts if cfg.dataset == "synthetic" else synthetic.synthetic_hetero_parts
+        parts = make(cfg.synthetic_nodes, cfg.synthetic_classes, cfg.synthetic_feat_dim, cfg.synthetic_avg_degree,
+                     seed)
+    elif cfg.dataset in mag.READERS:
+        source = cfg.dataset
+        parts = mag.READERS[cfg.dataset](cfg.data_dir)
     elif cfg.dataset in ogb.REVERSE_DEFAULT:
         source = cfg.dataset
         parts = ogb.read_ogb(cfg.dataset, cfg.data_dir)
@@ -50,7 +54,8 @@ def load_graph(cfg: DataConfig, seed: int = 0) -> Graph:
         if not path.is_dir():
             raise DatasetError(
                 f"unknown dataset {cfg.dataset!r}: no graph directory {path} exists. Use --dataset "
-                f"synthetic, {', '.join(ogb.REVERSE_DEFAULT)}, or the path of a graph directory "
+                f"synthetic, synthetic-hetero, {', '.join([*ogb.REVERSE_DEFAULT, *mag.READERS])}, or the path of a "
+                f"graph directory "
                 f"({graph_dir.HELP})")
         source = str(path)
         parts = graph_dir.read_graph_dir(path)
@@ -58,6 +63,8 @@ def load_graph(cfg: DataConfig, seed: int = 0) -> Graph:
     parts.feat = _features(parts, cfg, source, seed)
     if cfg.random_features > 0:
         parts.origins.pop("feat", None)
+    elif parts.typed:
+        typed.fill_missing(parts, cfg.embedding_dim, source)
     if cfg.normalize_features:
         # Row L1 normalisation, as PyG's NormalizeFeatures and the GCN paper's
         # preprocessing of bag-of-words graphs (cora, citeseer, pubmed).

@@ -48,10 +48,33 @@ def read_ogb(name: str, data_dir: str) -> GraphParts:
 
 def _read_ogb(name: str, data_dir: str) -> GraphParts:
     """Read an OGB node-property dataset with the ``ogb`` package."""
+    dataset, split, graph, labels, local = ogb_dataset(name, data_dir)
+    n = int(graph["num_nodes"])
+    edge_index = np.asarray(graph["edge_index"], dtype=np.int64)
+    label = ogb_label(labels, n, name)
+    for column, ids in (("source", edge_index[0]), ("destination", edge_index[1])):
+        check_ids(ids, n, f"{local / 'raw' / 'edge.csv.gz'}: {column} ids")
+    feat = graph.get("node_feat")
+    return GraphParts(
+        name=name, num_nodes=n, num_classes=int(dataset.num_classes),
+        src=edge_index[0], dst=edge_index[1],
+        feat=None if feat is None else np.ascontiguousarray(feat, dtype=np.float32),
+        label=label,
+        splits={k: np.asarray(split[k], dtype=np.int64).reshape(-1) for k in SPLITS},
+        no_feat=f"{local / 'raw' / 'node-feat.csv.gz'} is missing",
+    )
+
+
+def ogb_dataset(name: str, data_dir: str, marker: str = "edge.csv.gz") -> tuple:
+    """``(dataset, split, graph, labels, local dir)`` of OGB dataset ``name`` read by ``ogb`` from ``data_dir``.
+
+    ``marker``: the raw file whose presence means the dataset is there
+    (``triplet-type-list.csv.gz`` for a heterogeneous one).
+    """
     local = Path(data_dir).expanduser() / name.replace("-", "_")
     # Without these ogb downloads the dataset (and replaces the directory).
-    has_files = (local / "raw" / "edge.csv.gz").is_file() or (local / "processed" / "data_processed").is_file()
-    fix = (f"Place the OGB files of {name} in {local} (raw/*.csv.gz and split/), pass --data-dir for the "
+    has_files = (local / "raw" / marker).is_file() or (local / "processed" / "data_processed").is_file()
+    fix = (f"Place the OGB files of {name} in {local} (raw/ and split/), pass --data-dir for the "
            f"directory that holds {local.name}/, or use --dataset synthetic or a graph directory")
     try:
         NodePropPredDataset = _import_ogb()
@@ -75,21 +98,7 @@ def _read_ogb(name: str, data_dir: str) -> GraphParts:
             raise DatasetError(f"{name}: cannot read the OGB files in {local}: {reason}. Repair them, or delete "
                                f"{local} to download again. {fix}") from exc
         raise DatasetError(f"{name}: not found in {local} and the download failed: {reason}. {fix}") from exc
-
-    n = int(graph["num_nodes"])
-    edge_index = np.asarray(graph["edge_index"], dtype=np.int64)
-    label = _ogb_label(labels, n, name)
-    for column, ids in (("source", edge_index[0]), ("destination", edge_index[1])):
-        check_ids(ids, n, f"{local / 'raw' / 'edge.csv.gz'}: {column} ids")
-    feat = graph.get("node_feat")
-    return GraphParts(
-        name=name, num_nodes=n, num_classes=int(dataset.num_classes),
-        src=edge_index[0], dst=edge_index[1],
-        feat=None if feat is None else np.ascontiguousarray(feat, dtype=np.float32),
-        label=label,
-        splits={k: np.asarray(split[k], dtype=np.int64).reshape(-1) for k in SPLITS},
-        no_feat=f"{local / 'raw' / 'node-feat.csv.gz'} is missing",
-    )
+    return dataset, split, graph, labels, local
 
 
 def _read_ogb_npz(name: str, data_dir: str) -> GraphParts:
@@ -140,13 +149,13 @@ def _read_ogb_npz(name: str, data_dir: str) -> GraphParts:
         check_ids(ids, n, f"{raw / 'data.npz'}: edge_index {column} ids")
     return GraphParts(
         name=name, num_nodes=n, num_classes=int(meta["num classes"]), src=edge_index[0], dst=edge_index[1],
-        feat=feat, label=_ogb_label(labels, n, name),
+        feat=feat, label=ogb_label(labels, n, name),
         splits={k: np.asarray(v, dtype=np.int64) for k, v in splits.items()},
         no_feat=f"{raw / 'data.npz'} has no node_feat",
     )
 
 
-def _ogb_label(labels, n: int, name: str) -> np.ndarray:
+def ogb_label(labels, n: int, name: str) -> np.ndarray:
     """One int64 label per node from ogb's label array (``-1`` where it is NaN: unlabelled)."""
     label = np.asarray(labels).reshape(n, -1)
     if label.shape[1] != 1:

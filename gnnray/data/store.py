@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -37,6 +37,7 @@ class GraphHandle:
     num_classes: int
     nbytes: int
     name: str
+    types: Optional[dict] = None  # a typed graph's type names (Graph.types); its type arrays are in the store
 
     def get(self) -> Graph:
         """Return the graph as write-protected numpy views on this node's object store.
@@ -49,7 +50,7 @@ class GraphHandle:
 
         arrays: dict[str, Any] = ray.get(self._ref[0])
         return Graph(**{k: _write_protected(v) for k, v in arrays.items()}, num_classes=self.num_classes,
-                     name=self.name)
+                     name=self.name, **(self.types or {}))
 
 
 def publish(graph: Graph) -> GraphHandle:
@@ -59,7 +60,7 @@ def publish(graph: Graph) -> GraphHandle:
     arrays = {f.name: getattr(graph, f.name) for f in fields(graph) if isinstance(getattr(graph, f.name), np.ndarray)}
     ref = ray.put(arrays)
     return GraphHandle([ref], graph.num_nodes, graph.num_edges, graph.feat_dim, graph.num_classes, graph.nbytes,
-                       graph.name)
+                       graph.name, graph.types if graph.typed else None)
 
 
 class _ReadOnlyPages:

@@ -30,8 +30,8 @@ def validate(graph: Graph, source: str, origins: Optional[dict] = None) -> None:
         a = getattr(graph, name)
         if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1:
             fail(f"{name} must be a 1-D int64 array, got {_describe(a)}")
-    if not isinstance(graph.feat, np.ndarray) or graph.feat.dtype != np.float32 or graph.feat.ndim != 2:
-        fail(f"feat must be a 2-D float32 array (num_nodes, feat_dim), got {_describe(graph.feat)}")
+    if not isinstance(graph.feat, np.ndarray) or graph.feat.dtype not in _FEAT_DTYPES or graph.feat.ndim != 2:
+        fail(f"feat must be a 2-D float32 (or float16) array (num_nodes, feat_dim), got {_describe(graph.feat)}")
 
     indptr, indices, feat, n = graph.indptr, graph.indices, graph.feat, graph.num_nodes
     if indptr.size == 0:
@@ -81,6 +81,64 @@ def validate(graph: Graph, source: str, origins: Optional[dict] = None) -> None:
         if np.any(lab < 0) or np.any(lab >= graph.num_classes):
             fail(f"labels of the {name} split must be in [0, num_classes={graph.num_classes}), "
                  f"found {lab.min()}..{lab.max()}", "label")
+    if graph.typed:
+        _validate_types(graph, fail)
+
+
+def _validate_types(graph: Graph, fail) -> None:
+    """A typed graph's checks: type arrays, each edge's endpoint types, labelled and split nodes of the target type."""
+    etype, ntype, n = graph.etype, graph.ntype, graph.num_nodes
+    if not isinstance(ntype, np.ndarray) or ntype.shape != (n,) or ntype.dtype.kind != "i":
+        fail(f"ntype must be a 1-D integer array with one entry per node, got {_describe(ntype)}")
+    if not isinstance(etype, np.ndarray) or etype.shape != graph.indices.shape or etype.dtype.kind != "i":
+        fail(f"etype must be a 1-D integer array aligned with indices, got {_describe(etype)}")
+    names = [r for _, r, _ in graph.edge_types]
+    if len(set(names)) != len(names):
+        fail(f"relation names repeat in {names}; each relation needs its own name", "etype")
+    code = {t: i for i, t in enumerate(graph.node_types)}
+    unknown = sorted({t for s, _, d in graph.edge_types for t in (s, d)} - set(code))
+    if unknown:
+        fail(f"edge types name node types {unknown} that are not among node_types {list(graph.node_types)}; "
+             f"declare them", "etype")
+    if graph.target_type not in code:
+        fail(f"target_type {graph.target_type!r} is not among node_types {list(graph.node_types)}", "ntype")
+    if ntype.size and (ntype.min() < 0 or ntype.max() >= len(code)):
+        fail(f"ntype holds codes outside [0, {len(code)})", "ntype")
+    if etype.size and (etype.min() < 0 or etype.max() >= len(names)):
+        fail(f"etype holds codes outside [0, {len(names)})", "etype")
+    src_t = np.array([code[s] for s, _, _ in graph.edge_types], dtype=np.int64)
+    dst_t = np.array([code[d] for _, _, d in graph.edge_types], dtype=np.int64)
+    # In node blocks of about CHUNK_EDGES edges: no edge-sized int64 temporary for a large graph.
+    from gnnray.data.csc import CHUNK_EDGES
+
+    indptr, v = graph.indptr, 0
+    while v < n:
+        w = min(n, max(v + 1, int(np.searchsorted(indptr, indptr[v] + CHUNK_EDGES, side="right")) - 1))
+        a, b = int(indptr[v]), int(indptr[w])
+        t = etype[a:b].astype(np.int64)
+        dst = np.repeat(np.arange(v, w), np.diff(indptr[v:w + 1]))
+        for end, nodes, want in (("source", graph.indices[a:b], src_t[t]), ("destination", dst, dst_t[t])):
+            bad = np.flatnonzero(ntype[nodes] != want)
+            if bad.size:
+                e = bad[0]
+                s_, r, d_ = graph.edge_types[t[e]]
+                fail(f"{bad.size}+ edges have a {end} node of the wrong type, e.g. relation {r!r} ({s_} -> {d_}) "
+                     f"from node {int(graph.indices[a + e])} ({graph.node_types[ntype[graph.indices[a + e]]]}) to "
+                     f"node {int(dst[e])} ({graph.node_types[ntype[dst[e]]]}); each edge of a relation must join "
+                     f"its declared types", "etype")
+        v = w
+    target = code[graph.target_type]
+    labelled = np.flatnonzero(graph.label != -1)
+    for what, ids, origin in [("labelled", labelled, "label")] + [(f"{s} split", graph.split(s), "split")
+                                                                   for s in SPLITS]:
+        wrong = ids[ntype[ids] != target]
+        if wrong.size:
+            fail(f"{wrong.size} {what} nodes are not of the target type {graph.target_type!r}, e.g. node "
+                 f"{int(wrong[0])} ({graph.node_types[ntype[wrong[0]]]}); only target nodes may be labelled or "
+                 f"in a split (label -1, split 'none' for the others)", origin)
+
+
+_FEAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def _describe(a) -> str:

@@ -83,7 +83,11 @@ def load_model(directory: str, cfg, feat_dim: int, num_classes: int,
     from gnnray.train.model import model_for
 
     state = checkpoint.load_state(directory)
-    model = (model_factory or model_for)(feat_dim + cfg.data.embedding_dim, num_classes, cfg)
+    if model_factory:
+        model = model_factory(feat_dim + cfg.data.embedding_dim, num_classes, cfg)
+    else:  # relational models keep their number of relations in their state
+        relations = int(state["model"].get("num_relations", 1))
+        model = model_for(feat_dim + cfg.data.embedding_dim, num_classes, cfg, relations)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
@@ -127,7 +131,8 @@ class LayerRunner:
         """Return the layer's output for nodes ``ids`` and their own input rows."""
         mb = self._sampler.sample(ids)
         nodes = mb.input_nodes.numpy()
-        x = np.concatenate([np.take(a, nodes, axis=0) for a in self._inputs], axis=1)
+        # float32 whatever the stored precision (MAG240M's features are float16).
+        x = np.concatenate([np.take(a, nodes, axis=0).astype(np.float32, copy=False) for a in self._inputs], axis=1)
         with torch.no_grad():
             h = self._model.layer(self._layer, mb.blocks()[0], torch.from_numpy(x))
         return h, x[: len(ids)]  # the chunk's nodes come first among the block's source nodes

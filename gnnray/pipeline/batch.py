@@ -19,6 +19,12 @@ them zero-copy. Ray Data's tensor columns cost several times more per row:
 rows of different lengths become variable-shaped tensors, re-encoded at every
 step (docs/performance.md). Features are not shipped: the worker gathers them
 from the node-shared feature array, which keeps a batch many times smaller.
+
+Typed graphs: each layer also carries each sampled edge's relation
+(``Layer.etype``, aligned with its ``indices``), packed after the layer's
+indices under a second magic number; an untyped batch packs exactly as
+before. Input nodes' types are not packed: a model that needs them reads
+``Graph.ntype`` at ``input_nodes``, as features are gathered.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import pyarrow as pa
 import torch
 
 _MAGIC = 0x6E6E7231  # "gnr1": rejects rows that are not packed mini-batches
+_MAGIC_TYPED = 0x6E6E7431  # "gnt1": as gnr1, plus each layer's edge types after its indices
 _FIXED_HEADER = 5  # magic, epoch, num_layers, num_seeds, num_input_nodes
 _COLUMN = "packed"
 
@@ -51,6 +58,7 @@ class Layer(NamedTuple):
     indptr: torch.Tensor
     indices: torch.Tensor
     num_src: int
+    etype: Optional[torch.Tensor] = None  # typed graphs: each edge's relation, aligned with indices
 
     @property
     def num_dst(self) -> int:
@@ -86,15 +94,18 @@ class MiniBatch:
         """The layers as DGL blocks, on the device their tensors are on."""
         import dgl
 
-        return [
-            dgl.create_block(
+        blocks = []
+        for layer in self.layers:
+            block = dgl.create_block(
                 ("csc", (layer.indptr, layer.indices, layer.indices.new_empty(0))),
                 num_src_nodes=layer.num_src,
                 num_dst_nodes=layer.num_dst,
                 device=layer.indptr.device,
             )
-            for layer in self.layers
-        ]
+            if layer.etype is not None:  # edge ids are CSC positions here, so etype is in edge id order
+                block.edata["etype"] = layer.etype.long()
+            blocks.append(block)
+        return blocks
 
     def to(self, device, non_blocking: bool = False) -> "MiniBatch":
         """Return a copy on ``device`` (``non_blocking`` needs pinned memory to overlap)."""
@@ -107,7 +118,7 @@ class MiniBatch:
             seeds=move(self.seeds),
             labels=move(self.labels),
             input_nodes=move(self.input_nodes),
-            layers=[Layer(move(l.indptr), move(l.indices), l.num_src) for l in self.layers],
+            layers=[Layer(move(l.indptr), move(l.indices), l.num_src, move(l.etype)) for l in self.layers],
             x=move(self.x),
         )
 
@@ -115,13 +126,19 @@ class MiniBatch:
         """Encode as one flat ``dtype`` array (pass :func:`id_dtype` of the graph; see the module docstring)."""
         return np.concatenate(self._parts(), dtype=dtype, casting="unsafe")
 
+    @property
+    def typed(self) -> bool:
+        return bool(self.layers) and self.layers[0].etype is not None
+
     def _parts(self) -> list[np.ndarray]:
-        header = [_MAGIC, self.epoch, len(self.layers), self.num_seeds, int(self.input_nodes.shape[0])]
+        typed = self.typed
+        header = [_MAGIC_TYPED if typed else _MAGIC, self.epoch, len(self.layers), self.num_seeds,
+                  int(self.input_nodes.shape[0])]
         for layer in self.layers:
             header += [layer.num_src, layer.num_dst, int(layer.indices.shape[0])]
         parts = [np.asarray(header, dtype=np.int64), self.seeds.numpy(), self.labels.numpy(), self.input_nodes.numpy()]
         for layer in self.layers:
-            parts += [layer.indptr.numpy(), layer.indices.numpy()]
+            parts += [layer.indptr.numpy(), layer.indices.numpy()] + ([layer.etype.numpy()] if typed else [])
         return parts
 
     @staticmethod
@@ -130,7 +147,7 @@ class MiniBatch:
         if packed.dtype not in (torch.int32, torch.int64) or packed.dim() != 1 or packed.shape[0] < _FIXED_HEADER:
             raise ValueError("not a packed MiniBatch: expected a 1-D int32 or int64 array")
         magic, epoch, num_layers, num_seeds, num_input = packed[:_FIXED_HEADER].tolist()
-        if magic != _MAGIC:
+        if magic not in (_MAGIC, _MAGIC_TYPED):
             raise ValueError("not a packed MiniBatch: bad magic number")
         if min(num_layers, num_seeds, num_input) < 0 or packed.shape[0] < _FIXED_HEADER + 3 * num_layers:
             raise ValueError("packed MiniBatch is truncated or corrupt")
@@ -143,7 +160,9 @@ class MiniBatch:
             return packed[pos - n:pos]
 
         seeds, labels, input_nodes = take(num_seeds), take(num_seeds), take(num_input)
-        layers = [Layer(take(num_dst + 1), take(nnz), num_src) for num_src, num_dst, nnz in shapes]
+        typed = magic == _MAGIC_TYPED
+        layers = [Layer(take(num_dst + 1), take(nnz), num_src, take(nnz) if typed else None)
+                  for num_src, num_dst, nnz in shapes]
         if pos > packed.shape[0]:
             raise ValueError("packed MiniBatch is truncated")
         if pos < packed.shape[0]:

@@ -62,7 +62,10 @@ class HostSlot:
     def gather(self, feat: np.ndarray, ids: np.ndarray) -> torch.Tensor:
         """Rows ``ids`` of ``feat``, gathered into this slot's reused buffer (valid until the next gather)."""
         x = self.feat(ids.shape[0], feat.shape[1])
-        np.take(feat, ids, axis=0, out=x.numpy())
+        if feat.dtype == np.float32:
+            np.take(feat, ids, axis=0, out=x.numpy())
+        else:  # float16 features (MAG240M): gathered, then widened into the buffer
+            x.numpy()[:] = np.take(feat, ids, axis=0)
         return x
 
 
@@ -174,5 +177,5 @@ class Prefetcher:
 def _tensors(mb: MiniBatch) -> list[torch.Tensor]:
     out = [mb.seeds, mb.labels, mb.input_nodes, mb.x]
     for layer in mb.layers:
-        out += [layer.indptr, layer.indices]
+        out += [layer.indptr, layer.indices, layer.etype]
     return [t for t in out if t is not None]

@@ -47,10 +47,25 @@ class Sampler:
         for block in blocks:
             # Local-id CSC is what the worker's message passing reads (in-edges),
             # and half the bytes of COO.
-            indptr, indices, _ = block.adj_tensors("csc")
-            layers.append(Layer(indptr, indices, block.num_src_nodes()))
+            indptr, indices, eids = block.adj_tensors("csc")
+            layers.append(Layer(indptr, indices, block.num_src_nodes(), self._etypes(block, eids)))
         labels = torch.from_numpy(self._graph.label[output_nodes.numpy()])
         return MiniBatch(output_nodes, labels, input_nodes, layers, epoch=epoch)
+
+    def _etypes(self, block, eids: torch.Tensor):
+        """Each of ``block``'s CSC edges' relation, or ``None`` for an untyped graph.
+
+        The graph's edge ids are its CSC positions (:func:`~gnnray.data.store.to_dgl`
+        gives none), so a sampled edge's relation is ``etype`` at its parent id.
+        """
+        import dgl
+
+        if self._graph.etype is None:
+            return None
+        parent = block.edata[dgl.EID]
+        if eids.numel():
+            parent = parent[eids]
+        return torch.from_numpy(self._graph.etype[parent.numpy()])
 
 
 class SamplerActor:

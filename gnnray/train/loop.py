@@ -80,7 +80,9 @@ def train_loop(config: dict) -> None:
 
     # 1. The node-shared graph, the model and, with --embedding-dim, the node embeddings.
     graph = setup.graph.get()
-    model = (setup.model_factory or model_for)(graph.feat_dim + cfg.data.embedding_dim, graph.num_classes, cfg)
+    in_feats = graph.feat_dim + cfg.data.embedding_dim
+    model = (setup.model_factory(in_feats, graph.num_classes, cfg) if setup.model_factory
+             else model_for(in_feats, graph.num_classes, cfg, graph.num_relations))
     # Replicated on every rank, outside DDP; see gnnray.train.embedding for how the ranks stay consistent.
     embedding = (NodeEmbedding(graph.num_nodes, cfg.data.embedding_dim, cfg.train.embedding_lr or cfg.train.lr,
                                cfg.run.seed) if cfg.data.embedding_dim else None)
