@@ -17,7 +17,8 @@ step  file                        runs on                 output
 ====  ==========================  ======================  =============================================
 
 - ``data/``: the graph type (``graph.py``), its readers (``synthetic.py``,
-  ``ogb.py``, ``graph_dir.py``), the one CSC builder (``csc.py``), its checks
+  ``ogb.py``, ``mag.py``, ``graph_dir.py``; ``typed.py`` fills typed graphs'
+  missing features), the one CSC builder (``csc.py``), its checks
   (``validate.py``) and its place in the object store (``store.py``).
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
   wire format, ``stream.py`` builds the Ray Data stream in one place.
