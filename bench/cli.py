@@ -14,16 +14,18 @@ from pathlib import Path
 from typing import Callable
 
 import bench
-from bench import gpu, memory
+from bench import gpu, memory, wall
 from bench.common import DEFAULT_DATASET, DEFAULT_JSON, Row, Settings, error_row, format_table, machine, start_ray
 from bench.graphs import base_data_config, quick_data_config
 from bench.sampler import ONE_ACTOR, TARGET, bench_sampler
-from bench.training import THROUGHPUT_FIGURE, bench_training
+from bench.training import THROUGHPUT_FIGURE, bench_fast_trainer, bench_training
+from gnnray.config import SamplerConfig
 from gnnray.data.load import load_graph
+from gnnray.errors import ConfigError
 from gnnray.data.store import publish
 from gnnray.driver.console import graph_line
 
-ORDER = ("data-wait", "sampler", "training", "memory", "GPU", "setup", "")  # the issue's order
+ORDER = ("data-wait", "sampler", "training", wall.FIGURE, "memory", "GPU", "setup", "")  # the issue's order
 
 
 def parse_args(argv=None):
@@ -38,15 +40,24 @@ def parse_args(argv=None):
                    help="cores both sides of figure 3 use: the DGL loop's threads, the train workers' CPUs (when "
                    "not given: all)")
     p.add_argument("--workers", type=int, default=1, help="Ray Train workers for figures 1 and 3")
+    p.add_argument("--max-ahead", type=int, default=SamplerConfig().max_ahead,
+                   help="the job's --max-ahead in every run: mini-batches the sampler pool may run ahead of each "
+                   "train worker")
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
     return p.parse_args(argv)
 
 
 def settings_for(args) -> Settings:
-    s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, workers=args.workers)
+    try:
+        SamplerConfig(max_ahead=args.max_ahead)  # checked as the job checks it
+    except ConfigError as e:
+        raise SystemExit(f"bench/benchmark.py: error: {e}") from None
+    s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, workers=args.workers,
+                 max_ahead=args.max_ahead)
     if args.quick:
         s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
-                                baseline_warmup=2, baseline_steps=18, memory_batches=2)
+                                baseline_warmup=2, baseline_steps=18, memory_batches=2, fast_epochs=3,
+                                wall_epochs=(1, 2))
     return s
 
 
@@ -66,24 +77,28 @@ def run_figures(args, s: Settings, workdir: Path, result: dict, rows: list[Row])
     """Load the graph, start Ray, and add every figure's rows to ``rows``; ``result`` gets the data's description."""
     import ray
 
-    data = base_data_config(args.dataset)
+    data = full_data = base_data_config(args.dataset)
     graph = load_graph(data, s.seed)
     full_train_idx = graph.train_idx
     if s.quick:
         data = quick_data_config(graph, s, workdir)
         graph = load_graph(data, s.seed)
     result["data"] = dict(config=dataclasses.asdict(data), nodes=graph.num_nodes, edges=graph.num_edges,
-                          train=len(graph.train_idx), graph_mib=graph.nbytes / 2**20)
+                          train=len(graph.train_idx), graph_mib=graph.nbytes / 2**20,
+                          fast_trainer_config=dataclasses.asdict(full_data), fast_trainer_train=len(full_train_idx))
     print(f"{graph_line(graph)}; {s.cores} cores, {result['mode']} mode", flush=True)
     start_ray(s, args.verbose)
     try:
         handle = publish(graph)
         rows += guarded(ONE_ACTOR, TARGET, lambda: bench_sampler(graph, handle, full_train_idx, s))
         rows += guarded(THROUGHPUT_FIGURE, "", lambda: bench_training(data, graph, s, workdir))
+        rows += guarded("training, fast trainer", "", lambda: bench_fast_trainer(full_data, graph, s, workdir))
         rows += guarded(memory.FIGURE, memory.TARGET, lambda: memory.bench_memory(graph, handle, s))
         rows += guarded(gpu.FIGURE, gpu.TARGET, lambda: gpu.bench_gpu(s))
     finally:
         ray.shutdown()
+    # Whole runs start their own Ray cluster, as a user's run does: after this one is gone.
+    rows += guarded(wall.FIGURE, "", lambda: wall.bench_wall(data, s, workdir, wall.faster_loader(rows)))
 
 
 def main(argv=None) -> int:

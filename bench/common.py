@@ -9,6 +9,9 @@ import platform
 import re
 import traceback
 from pathlib import Path
+from typing import Callable, Optional, Union
+
+from gnnray.config import DataConfig, JobConfig, ModelConfig, RunConfig, SamplerConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "arxiv-structure"
@@ -29,14 +32,23 @@ class Settings:
     seed: int = 0
     # Figure 2: batches consumed per configuration, and how many to skip first.
     sampler_batches: int = 400
-    sampler_warmup: int = 32  # two calls of the actor (a call samples one seed-stream block)
+    sampler_warmup: int = 32  # several calls of the actor (a call samples one seed block: 16 rows or fewer,
+    # as --max-ahead makes them; see gnnray.pipeline.stream)
     sampler_rounds: int = 3  # pipeline runs of 1 actor, each between two plain loops of each baseline
-    # Figure 3: our epochs (the first is start-up), the DGL loop's steps.
+    # Figure 3: our epochs (steady: all but the first and the last, see training.steady), the DGL loop's steps.
     epochs: int = 4
     baseline_warmup: int = 3
     baseline_steps: int = 40
     workers: int = 1  # Ray Train workers; they share the cores (see trainer_cpus)
     samplers: int = 1  # sampler actors in the pool
+    max_ahead: int = SamplerConfig().max_ahead  # --max-ahead of every stream (figures 1-3), the job's default
+    ddp_workers: int = 2  # figure 3's extra run: the job with this many DDP workers
+    # The fast trainer (a GPU worker's regime, training.py): a step about as long as sampling a batch.
+    fast_fanouts: tuple = (15, 10)
+    fast_hidden: int = 32
+    fast_epochs: int = 4  # at least 3, as epochs
+    # Wall time of whole runs (wall.py): a short and a longer run, start-up included.
+    wall_epochs: tuple = (2, 6)
     # Figure 4: batches each probe process samples before it is measured.
     memory_batches: int = 4
     memory_processes: tuple = (1, 2, 4)
@@ -54,6 +66,25 @@ class Settings:
         logical CPUs are oversubscribed to allow it.
         """
         return max(1, self.cores // self.workers)
+
+
+def job_config(data: DataConfig, s: Settings, workdir: Path, name: str = "bench") -> JobConfig:
+    """The job that ``s`` describes; the DGL loops build their model, loader and evaluation from it too.
+
+    Runs under one ``workdir`` need distinct ``name``s (the same name resumes a run).
+    """
+    import torch
+
+    return JobConfig(
+        data=data,
+        sampler=SamplerConfig(fanouts=tuple(s.fanouts), batch_size=s.batch_size, actors=(s.samplers,),
+                              cpus_per_actor=1.0, max_ahead=s.max_ahead),
+        model=ModelConfig(hidden=s.hidden, dropout=s.dropout),
+        # Sampled final accuracies, as the DGL loop computes them: no layer-wise inference pass after training.
+        train=TrainConfig(epochs=s.epochs, lr=s.lr, num_workers=s.workers, cpus_per_worker=float(s.trainer_cpus),
+                          use_gpu=torch.cuda.is_available(), eval="sampled"),
+        run=RunConfig(name=name, storage_path=str(workdir / "runs"), max_failures=0, seed=s.seed),
+    )
 
 
 @dataclasses.dataclass
@@ -83,6 +114,31 @@ def error_row(figure: str, target: str, exc: BaseException) -> Row:
 
 def verdict(ok: bool) -> str:
     return "yes" if ok else "NO"
+
+
+Result = Union[dict, Exception]  # a measurement, or why it failed
+
+
+def attempt(fn: Callable[[], dict]) -> Result:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - shown in the rows that need it
+        return exc
+
+
+def compare(figure: str, target: str, ours: Result, base: Result, key: str,
+            meets: Optional[Callable[[float], bool]] = None, show: str = "{:.0f}") -> Row:
+    """``ours[key]`` against ``base[key]`` (both measured in this run), ratio ours / baseline.
+
+    ``meets(ratio)`` decides the target, if there is one; a failed side makes an error row.
+    """
+    for r in (ours, base):
+        if isinstance(r, Exception):
+            return error_row(figure, target, r)
+    ratio = ours[key] / base[key] if base[key] else float("nan")
+    return Row(figure, ours=show.format(ours[key]), baseline=show.format(base[key]), ratio=f"{ratio:.2f}x",
+               target=target or "-", met=verdict(meets(ratio)) if meets else "-",
+               detail=dict(ratio=ratio, ours=ours, baseline=base))
 
 
 def format_table(rows: list[Row]) -> str:

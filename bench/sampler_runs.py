@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from bench.common import Settings, threads
+from bench.common import REPO, Settings, job_config, threads
 from gnnray.data.graph import Graph
 
 
@@ -75,13 +75,15 @@ class StampedSamplerActor:
     work and waiting cost, and the actor process's CPU time (all its threads,
     so Ray's too) is the cost that does not depend on how busy the machine
     is. Each row carries its call's stamps (start, finish, pid, CPU seconds at
-    the finish, rows in the call): five float64 a row.
+    the finish, rows in the call): five float64 a row. Built with
+    ``SamplerActor``'s arguments, by the job's own :func:`minibatch_stream`
+    (see :func:`stamped_stream`).
     """
 
-    def __init__(self, graph, fanouts, plan):
+    def __init__(self, graph, fanouts, plan, run: str = "gnnray"):
         from gnnray.pipeline.sampler import SamplerActor
 
-        self._actor = SamplerActor(graph, fanouts, plan)
+        self._actor = SamplerActor(graph, fanouts, plan, run)
 
     def __call__(self, rows: dict):
         import pyarrow as pa
@@ -90,6 +92,13 @@ class StampedSamplerActor:
         out = self._actor(rows)
         stamp = [start, time.time(), os.getpid(), time.process_time(), out.num_rows] * out.num_rows
         return out.append_column("stamp", pa.FixedSizeListArray.from_arrays(pa.array(stamp, pa.float64()), 5))
+
+
+def stamped_stream(cfg, handle, plan):
+    """The job's stream (:func:`gnnray.pipeline.stream.minibatch_stream`, read-ahead bound included) of stamped actors."""
+    from gnnray.pipeline.stream import minibatch_stream
+
+    return minibatch_stream(cfg, handle, plan, 0, actor_cls=StampedSamplerActor)
 
 
 def call_stats(stamps: np.ndarray, warmup: int, actors: int) -> dict:
@@ -117,30 +126,35 @@ def call_stats(stamps: np.ndarray, warmup: int, actors: int) -> dict:
 
 
 def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int) -> dict:
-    """``k`` stamped sampler actors in the job's Ray Data pipeline, read as a train worker reads it.
+    """``k`` stamped sampler actors in the job's Ray Data stream, read as a train worker reads it.
 
-    ``seed_dataset(...).map_batches(StampedSamplerActor, compute=ActorPoolStrategy(size=k), num_cpus=1)``
-    is consumed in whole blocks, rows sliced out with ``from_arrow`` and each
-    unpacked with ``MiniBatch.unpack``. The rate is the actors' steady rate
-    after the calls that hold the first ``k * sampler_warmup`` rows (so
+    The stream is the job's (:func:`stamped_stream`: its seed blocks, actor
+    pool of ``k`` with ``num_cpus=1``, and ``--max-ahead`` bound for one train
+    worker), cut to its first ``k * sampler_batches`` rows; it is consumed as
+    a train worker consumes it, in whole blocks without block prefetch (so
+    the bound counts as in the job), rows sliced out with ``from_arrow`` and
+    each unpacked with ``MiniBatch.unpack``. The rate is the actors' steady
+    rate after the calls that hold the first ``k * sampler_warmup`` rows (so
     start-up is excluded), from the times the actors finished each call; it
     includes sampling, packing and Ray Data's work in the actor (batch
-    conversion, the object store put). The consumer must keep up for that rate
-    to be the pipeline's: its unpack time and how far it lags the actors at
-    the end are recorded.
+    conversion, the object store put). The consumer must keep up for that
+    rate to be the pipeline's: its unpack time and how far it lags the actors
+    at the end are recorded.
     """
-    import ray.data
+    import dataclasses
 
+    from gnnray.config import DataConfig
     from gnnray.data.store import readonly_tensor
     from gnnray.pipeline.batch import MiniBatch, from_arrow
-    from gnnray.pipeline.seeds import SeedPlan, seed_dataset
+    from gnnray.pipeline.seeds import SeedPlan
 
+    # Only the stream is built from it: no run, so no data and no storage.
+    cfg = job_config(DataConfig(), dataclasses.replace(s, workers=1, samplers=k, epochs=epochs), REPO,
+                     f"bench-sampler-{k}")
     plan = SeedPlan.for_run(seed_ids, s.batch_size, 1, s.seed)
-    ds = seed_dataset(plan, 0, epochs).limit(k * s.sampler_batches).map_batches(
-        StampedSamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=s.fanouts, plan=plan),
-        batch_size=None, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=k), num_cpus=1)
+    ds = stamped_stream(cfg, handle, plan).limit(k * s.sampler_batches)
     start, stamps, arrived, unpack_s = time.time(), [], [], 0.0
-    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1):
+    for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
         stamps += block.column("stamp").to_pylist()
         for packed in from_arrow(block):
             t = time.perf_counter()
@@ -152,6 +166,7 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
     calls = call_stats(stamps, k * s.sampler_warmup, k)
     rate, busy = calls["rate"], calls["in_call_ms"]
     return dict(actors=k, batches=len(stamps), calls=calls["calls"], warmup=k * s.sampler_warmup,
+                max_ahead=cfg.sampler.max_ahead, rows_per_call=float(np.median(stamps[:, 4])),
                 total_batches_per_s=rate, per_actor_batches_per_s=rate / k,
                 rows_by_actor=np.unique(stamps[:, 2], return_counts=True)[1].tolist(),
                 in_call_ms=busy, between_calls_ms=1000 * k / rate - busy, cpu_ms=calls["cpu_ms"],

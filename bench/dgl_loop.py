@@ -1,0 +1,164 @@
+"""The baselines: the DGL tutorials' training loop in one process, as figure 3 and the wall-time rows run it.
+
+``DataLoader(g, train_ids, NeighborSampler(fanouts), batch_size, shuffle=True,
+num_workers=W)``, features gathered with ``feat[input_nodes]``, the job's model
+(``model_for``) trained with Adam; each epoch ends with a sampled validation
+pass (a ``DataLoader`` over the validation nodes, ``eval_batch_size`` seeds,
+the same fanouts), the last one with a sampled test pass, as the job's
+``--eval sampled``. Two loaders users pick:
+
+- ``num_workers=0``: sampling in the training process, between steps.
+- ``num_workers=1``: DGL forks one sampling process per pass over the loader
+  (not persistent: DGL's default), which samples the next batches while the
+  training process computes. It works on the CSC-only graph of ``to_dgl``
+  (the fork inherits the graph's pages; its sampler needs only CSC). Its CPU
+  time is not in the process's own (``cpu_share`` counts the training process).
+
+``python -m bench.dgl_loop SPEC`` runs one whole run end to end (imports,
+loading the graph, building model and loaders, the epochs), as a user would
+start it: :mod:`bench.wall` times it. ``SPEC`` is JSON: the job's
+configuration (``dataclasses.asdict``), ``cores`` and ``loader_workers``. It
+prints one line per epoch and then ``RESULT`` and its numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from typing import Iterator
+
+from gnnray.config import JobConfig
+from gnnray.data.graph import Graph
+
+RESULT = "RESULT "
+
+
+class DglLoop:
+    """Graph, model, optimizer and loaders of the DGL loop; :meth:`steps` and :meth:`epoch` train."""
+
+    def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int):
+        import torch
+
+        from gnnray.data.store import readonly_tensor, to_dgl
+        from gnnray.train.model import model_for
+
+        self._graph, self._cfg, self._workers = graph, cfg, loader_workers
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._g = to_dgl(graph)
+        self._feat, self._label = readonly_tensor(graph.feat), readonly_tensor(graph.label)
+        torch.manual_seed(cfg.run.seed)
+        self._model = model_for(graph.feat_dim, graph.num_classes, cfg).to(self.device)
+        self._opt = torch.optim.Adam(self._model.parameters(), lr=cfg.train.lr)
+        self._train = self._loader(graph.train_idx, cfg.sampler.batch_size, shuffle=True)
+
+    def _loader(self, ids, batch_size: int, shuffle: bool):
+        import dgl
+
+        from gnnray.data.store import readonly_tensor
+
+        return dgl.dataloading.DataLoader(self._g, readonly_tensor(ids),
+                                          dgl.dataloading.NeighborSampler(list(self._cfg.sampler.fanouts)),
+                                          batch_size=batch_size, shuffle=shuffle, drop_last=False,
+                                          num_workers=self._workers)
+
+    def _batches(self, loader) -> Iterator:
+        with warnings.catch_warnings():  # asks for CPU affinity, which the DGL tutorials do not set
+            warnings.filterwarnings("ignore", message=".*CPU affinity")
+            for input_nodes, output_nodes, blocks in loader:
+                yield (self._feat[input_nodes].to(self.device), self._label[output_nodes].to(self.device),
+                       [b.to(self.device) for b in blocks])
+
+    def steps(self) -> Iterator[tuple[int, float]]:
+        """Train without end, epoch after epoch; yield each step's seeds and loss."""
+        import torch.nn.functional as F
+
+        self._model.train()
+        while True:
+            for x, y, blocks in self._batches(self._train):
+                loss = F.cross_entropy(self._model(blocks, x), y)
+                self._opt.zero_grad()
+                loss.backward()
+                self._opt.step()
+                yield int(y.shape[0]), float(loss)
+
+    def epoch(self) -> dict:
+        """One pass over the training nodes; the job's per-epoch numbers that apply."""
+        steps, seeds, loss = len(self._train), 0, 0.0
+        start, stream = time.perf_counter(), self.steps()
+        for _ in range(steps):
+            n, step_loss = next(stream)
+            seeds, loss = seeds + n, loss + n * step_loss
+        stream.close()
+        elapsed = time.perf_counter() - start
+        return dict(loss=loss / seeds, epoch_time=elapsed, seeds_per_s=seeds / elapsed, steps=steps)
+
+    def accuracy(self, split: str) -> float:
+        """Sampled accuracy of ``split``, in ``eval_batch_size`` chunks."""
+        import torch
+
+        self._model.eval()
+        right = total = 0
+        with torch.no_grad():
+            for x, y, blocks in self._batches(self._loader(self._graph.split(split),
+                                                           self._cfg.train.eval_batch_size, shuffle=False)):
+                right += int((self._model(blocks, x).argmax(1) == y).sum())
+                total += int(y.shape[0])
+        return right / max(total, 1)
+
+
+def dgl_baseline(graph: Graph, cfg: JobConfig, cores: int, loader_workers: int, warmup: int, steps: int) -> dict:
+    """Seeds/s of the DGL loop with ``cores`` threads, counted after ``warmup`` steps, over ``steps`` steps.
+
+    The steps run on across epochs if the split is small.
+    """
+    from bench.common import threads
+
+    with threads(cores):
+        loop = DglLoop(graph, cfg, loader_workers)
+        stream = loop.steps()
+        for _ in range(warmup):
+            next(stream)
+        seeds, start, cpu = 0, time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            seeds += next(stream)[0]
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        stream.close()  # ends the loader's sampling process, if any
+    # cpu_share < 1: the machine's other load took cores from the loop (a multi-process job gets more of
+    # a contended machine than one process does, which favours ours: compare on an idle machine).
+    return dict(seeds_per_s=seeds / elapsed, steps=steps, warmup=warmup, step_s=elapsed / steps, threads=cores,
+                loader_workers=loader_workers, device=str(loop.device), cpu_share=cpu / elapsed / cores)
+
+
+def end_to_end(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
+    """A whole run of ``cfg.train.epochs`` epochs: load the graph, build, train, validate each epoch, test."""
+    from bench.common import threads
+    from gnnray.data.load import load_graph
+
+    start = time.perf_counter()
+    with threads(cores):
+        loop = DglLoop(load_graph(cfg.data, cfg.run.seed), cfg, loader_workers)
+        ready, epochs, best = time.perf_counter() - start, [], 0.0
+        for epoch in range(cfg.train.epochs):
+            m = dict(epoch=epoch, **loop.epoch(), val_acc=loop.accuracy("valid"))
+            best = max(best, m["val_acc"])
+            m["best_val_acc"] = best
+            if epoch == cfg.train.epochs - 1:
+                m["test_acc"] = loop.accuracy("test")
+            print(" ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
+            epochs.append(m)
+    return dict(epochs=epochs, ready_s=ready, loader_workers=loader_workers, threads=cores)
+
+
+def main(argv=None) -> int:
+    from gnnray.config import from_dict
+
+    spec = json.loads((argv or sys.argv[1:])[0])
+    result = end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"])
+    print(RESULT + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
