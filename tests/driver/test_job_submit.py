@@ -97,6 +97,9 @@ def head():
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     # Explicit token auth: the same on every machine, whatever ~/.ray/auth_token holds.
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    # The head's processes find it by RAY_ADDRESS: Ray Train's placement-group cleaner looks its cluster up
+    # by address, and with the tests' own cluster also on this machine it would otherwise pick that one.
+    env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", f"--ray-client-server-port={client}",
            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
