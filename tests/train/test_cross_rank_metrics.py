@@ -11,6 +11,7 @@ every validation node (recomputed here in one batch with the final weights).
 
 from __future__ import annotations
 
+import os
 
 import numpy as np
 import torch
@@ -90,7 +91,9 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     val_acc = Evaluator(graph, cfg, rank, 2, "cpu").accuracy(model, "valid")
     torch.save(dict(stats=stats, val_acc=val_acc, logits=model.module.logits, labels=labels, seeds=seeds,
                     weights=model.module.inner.state_dict()), f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
+    # Every collective is done and the result is on disk: leave without gloo's teardown, which once kept
+    # rank 0 (the host of the rendezvous store) from exiting after rank 1 had gone.
+    os._exit(0)
 
 
 def _run_ranks(tmp_path) -> dict:
