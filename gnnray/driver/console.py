@@ -10,7 +10,6 @@ execution plans) go to Ray's session logs instead of the console
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import threading
@@ -41,12 +40,9 @@ def quiet_ray(verbose: bool) -> None:
     """
     import ray.data
 
-    quiet_console("ray.data", verbose)
+    # Dropped too: its hint on how to turn on the progress bars gnnray turned off on purpose.
+    quiet_console("ray.data", verbose, drop="Progress bars disabled")
     ray.data.DataContext.get_current().print_on_execution_start = verbose
-    if not verbose:  # its hint on how to turn on the progress bars gnnray turned off on purpose
-        for handler in logging.getLogger("ray.data").handlers:
-            if not isinstance(handler, logging.FileHandler):
-                handler.addFilter(lambda record: "Progress bars disabled" not in record.getMessage())
 
 
 

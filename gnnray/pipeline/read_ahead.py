@@ -21,10 +21,10 @@ module is the one place that reads ``ray.data._internal``.
 from __future__ import annotations
 
 from ray.data._internal.execution.backpressure_policy import (
+    ENABLED_BACKPRESSURE_POLICIES,
     ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY,
     BackpressurePolicy,
 )
-from ray.data._internal.execution.backpressure_policy import ENABLED_BACKPRESSURE_POLICIES
 
 _LIMIT_KEY = "gnnray.max_ahead_rows"
 _OPERATOR_KEY = "gnnray.max_ahead_operator"

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import time
 from typing import Optional
 
 import torch
@@ -34,8 +35,6 @@ class Progress:
         self._every_s, self._last = every_s, 0.0
 
     def update(self, epoch: int, step: int, steps: int) -> None:
-        import time
-
         now = time.monotonic()
         if self._path is None or (now - self._last < self._every_s and step < steps):
             return
