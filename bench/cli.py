@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import bench
-from bench import gpu, memory, wall
+from bench import gpu, memory, sharding, wall
 from bench.common import DEFAULT_DATASET, DEFAULT_JSON, Row, Settings, error_row, format_table, machine, start_ray
 from bench.graphs import base_data_config, quick_data_config
 from bench.sampler import ONE_ACTOR, TARGET, bench_sampler
@@ -25,7 +25,8 @@ from gnnray.errors import ConfigError
 from gnnray.data.store import publish
 from gnnray.driver.console import graph_line
 
-ORDER = ("data-wait", "sampler", "training", wall.FIGURE, "memory", "GPU", "setup", "")  # the order
+# The order; the sharding section (--sharding) runs alone.
+ORDER = ("data-wait", "sampler", "training", wall.FIGURE, "memory", "GPU", sharding.FIGURE, "setup", "")
 
 
 def parse_args(argv=None):
@@ -43,8 +44,15 @@ def parse_args(argv=None):
     p.add_argument("--max-ahead", type=int, default=SamplerConfig().max_ahead,
                    help="the job's --max-ahead in every run: mini-batches the sampler pool may run ahead of each "
                    "train worker")
+    p.add_argument("--sharding", action="store_true",
+                   help="run only the --feature-shards section, on a simulated cluster of 4 nodes (bench/sharding.py), "
+                   "instead of the figures above; --json then defaults to "
+                   f"{DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME}")
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sharding and args.json == str(DEFAULT_JSON):
+        args.json = str(DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME)
+    return args
 
 
 def settings_for(args) -> Settings:
@@ -110,7 +118,12 @@ def main(argv=None) -> int:
     result = dict(date=date, mode="quick" if s.quick else "full", machine=machine(), settings=dataclasses.asdict(s))
     rows: list[Row] = []
     try:
-        run_figures(args, s, workdir, result, rows)
+        if args.sharding:
+            ss = sharding.settings(args.quick)
+            result["settings"] = dataclasses.asdict(ss)
+            rows += sharding.run_section(ss, workdir, args.verbose, result, guarded)
+        else:
+            run_figures(args, s, workdir, result, rows)
     except Exception as exc:  # noqa: BLE001 - still print and save what we have
         rows.append(error_row("setup", "", exc))
     finally:

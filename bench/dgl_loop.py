@@ -23,6 +23,10 @@ prints one line per epoch and then ``RESULT`` and its numbers as JSON.
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 import json
 import sys
 import time
@@ -46,7 +50,10 @@ class DglLoop:
 
         self._graph, self._cfg, self._workers = graph, cfg, loader_workers
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self._g = to_dgl(graph)
+        # int64 structure, as DGL users load graphs (and DGL 2.1's fused sampler is wrong on int32 ones with
+        # more than one thread; gnnray's Sampler works around it).
+        self._g = to_dgl(dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64),
+                                             indices=graph.indices.astype(np.int64)))
         self._feat, self._label = readonly_tensor(graph.feat), readonly_tensor(graph.label)
         torch.manual_seed(cfg.run.seed)
         self._model = model_for(graph.feat_dim, graph.num_classes, cfg).to(self.device)

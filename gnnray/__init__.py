@@ -8,9 +8,11 @@ step  file                        runs on                 output
 0     ``config.py``               driver                  frozen ``JobConfig`` from the command line
 1     ``data/load.py``            driver                  validated numpy ``Graph`` (in-edge CSC, features)
 2     ``data/store.py``           driver, read by all     ``GraphHandle``: the graph once per node, zero-copy
+      ``data/shards.py``          driver; shard nodes     ``--feature-shards K``: features split over K nodes
 3     ``pipeline/seeds.py``       driver, sampler actors  ``SeedPlan`` + dataset of row numbers, all epochs
 4     ``pipeline/sampler.py``     sampler actors          packed ``MiniBatch`` rows (``pipeline/batch.py``)
 5     ``pipeline/prefetch.py``    train worker thread     ``MiniBatch`` with features, on the device
+      ``pipeline/features.py``    train worker thread     its rows: local, cached or fetched from shards
 6     ``train/model.py``          train worker            logits
 7     ``train/loop.py``           train worker            loss, optimizer step; ``train/evaluate.py``,
                                                           then ``train/report.py``: metrics, checkpoint
@@ -18,8 +20,9 @@ step  file                        runs on                 output
 
 - ``data/``: the graph type (``graph.py``), its readers (``synthetic.py``,
   ``ogb.py``, ``mag.py``, ``graph_dir.py``; ``typed.py`` fills typed graphs'
-  missing features), the one CSC builder (``csc.py``), its checks
-  (``validate.py``) and its place in the object store (``store.py``).
+  missing features; ``features.py``: where feature rows come from, on any
+  node), the one CSC builder (``csc.py``), its checks (``validate.py``) and
+  its place in the object store (``store.py``, ``shards.py``).
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
   wire format, ``stream.py`` builds the Ray Data stream in one place.
 - ``train/``: what a Ray Train worker runs, plus ``embedding.py`` (``--embedding-dim``)

@@ -86,6 +86,16 @@ class DataConfig(_Options):
     embedding_dim: int = option(0, "learnable node embedding of this size as (extra) input, updated sparsely; lets "
                                 "a graph without features train; on a typed graph, nodes without features get it "
                                 "instead of their neighbors' mean (0: off)", metavar="DIM", **at_least(0))
+    feature_shards: int = option(1, "split the feature table into K shards held by K different nodes, each node's "
+                                 "object store then holds one shard plus the cache (1: every node holds it all)",
+                                 metavar="K", **at_least(1))
+    feature_cache: float = option(0.1, "with --feature-shards: share of the nodes (highest in-degree first) whose "
+                                  "features every node also holds, so they are never fetched remotely",
+                                  metavar="FRACTION", check=lambda v: 0.0 <= v <= 1.0, need="must be in [0, 1]")
+    feature_dtype: str = option("float32", "storage type of the features (the model computes in float32); "
+                                "float16 halves their memory and network bytes", choices=("float32", "float16"))
+    feature_timeout: float = option(60.0, "seconds a remote feature fetch may take before the attempt fails "
+                                    "(naming the shard's node)", metavar="SECONDS", **POSITIVE)
     synthetic_nodes: int = option(20_000, "nodes of the synthetic graph (papers of synthetic-hetero)", **at_least(10))
     synthetic_classes: int = option(8, "classes of the synthetic graph", **at_least(2))
     synthetic_feat_dim: int = option(64, "feature size of the synthetic graph", **at_least(1))

@@ -20,6 +20,11 @@ name                                        kind       meaning
 ``gnnray_train_acc``                        gauge      last epoch's training accuracy
 ``gnnray_val_acc``                          gauge      validation accuracy after the last epoch
 ``gnnray_train_epochs_completed``           gauge      epochs finished in the run
+``gnnray_feature_remote_bytes``             counter    feature bytes fetched from other nodes' shards
+``gnnray_feature_remote_rows``              counter    feature rows fetched from other nodes' shards
+``gnnray_feature_cached_rows``              counter    feature rows read from the node's cache
+``gnnray_feature_remote_bytes_per_batch``   gauge      last epoch's remote feature bytes per mini-batch
+``gnnray_feature_cache_hit_rate``           gauge      last epoch's share of rows read from the cache
 ``gnnray_sampler_minibatches``              counter    mini-batches sampled
 ``gnnray_sampler_edges``                    counter    edges sampled (all layers of every mini-batch)
 ``gnnray_sampler_minibatches_per_s``        gauge      mini-batches per second over the last few seconds
@@ -79,6 +84,12 @@ class TrainMetrics:
             train_acc=("gauge", "gnnray_train_acc", "Training accuracy of the last epoch."),
             val_acc=("gauge", "gnnray_val_acc", "Validation accuracy after the last epoch."),
             epochs=("gauge", "gnnray_train_epochs_completed", "Epochs finished in the run."),
+            remote_bytes=("counter", "gnnray_feature_remote_bytes", "Feature bytes fetched from other nodes."),
+            remote_rows=("counter", "gnnray_feature_remote_rows", "Feature rows fetched from other nodes."),
+            cached_rows=("counter", "gnnray_feature_cached_rows", "Feature rows read from the node's cache."),
+            bytes_per_batch=("gauge", "gnnray_feature_remote_bytes_per_batch",
+                             "Remote feature bytes per mini-batch in the last epoch."),
+            hit_rate=("gauge", "gnnray_feature_cache_hit_rate", "Share of feature rows read from the cache."),
         )
 
     def step(self, step_s: float, wait_s: float, seeds: int) -> None:
@@ -87,6 +98,18 @@ class TrainMetrics:
         self._m["wait"].observe(float(wait_s))
         if seeds > 0:  # counters only go up; an empty (padding) batch adds nothing
             self._m["seeds"].inc(int(seeds))
+
+    def features(self, fetched) -> dict:
+        """Record an epoch's sharded-feature traffic (a :class:`~gnnray.pipeline.features.FetchStats`); return
+        its per-batch figures for the metrics line."""
+        for key, value in (("remote_bytes", fetched.remote_bytes), ("remote_rows", fetched.remote_rows),
+                           ("cached_rows", fetched.cached_rows)):
+            if value > 0:
+                self._m[key].inc(int(value))
+        summary = fetched.summary()
+        self._m["bytes_per_batch"].set(summary["remote_bytes_per_batch"])
+        self._m["hit_rate"].set(summary["cache_hit_rate"])
+        return summary
 
     def epoch(self, epoch: int, stats: dict) -> None:
         """Record the end of ``epoch`` (0-based) with the train loop's per-epoch ``stats``."""

@@ -41,7 +41,12 @@ def cluster():
 
     # A free dashboard port: the state API and the Train view need the dashboard, and another Ray
     # instance on this machine may hold the default one.
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "dashboard_port": _free_port()})
+    # RAY_ADDRESS set before the head starts, so every process of this cluster (Ray Train's placement-group
+    # cleaner included) joins it rather than the newest Ray instance on the machine.
+    gcs = _free_port()
+    os.environ["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{gcs}"
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "dashboard_port": _free_port(),
+                                                      "gcs_server_port": gcs})
     ray.init(address=c.address, runtime_env={"env_vars": {"DGLBACKEND": "pytorch", "OUTDATED_IGNORE": "1"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield c
@@ -68,6 +73,28 @@ def tiny_graph(num_nodes: int = 40, num_edges: int = 200, feat_dim: int = 4, num
     return Graph(indptr, indices, rng.standard_normal((num_nodes, feat_dim)).astype(np.float32),
                  rng.integers(0, num_classes, num_nodes).astype(np.int64),
                  np.sort(perm[:a]), np.sort(perm[a:b]), np.sort(perm[b:]), num_classes, "tiny")
+
+
+# Object store of each simulated node that holds a feature shard: small, so that a feature table larger
+# than it is still quick to generate (Ray's smallest store is 75 MiB).
+SHARD_NODE_STORE = 80 * 2**20
+
+
+@pytest.fixture(scope="module")
+def shard_nodes(cluster, ray_cluster):
+    """Three simulated nodes with one CPU and an 80 MiB object store each, removed after the module.
+
+    Yields the list of Ray's node objects; a test may remove one (``cluster.remove_node``).
+    """
+    added = [cluster.add_node(num_cpus=1, object_store_memory=SHARD_NODE_STORE) for _ in range(3)]
+    cluster.wait_for_nodes()
+    try:
+        yield added
+    finally:
+        for n in added:
+            if n in cluster.worker_nodes:
+                cluster.remove_node(n)
+        cluster.wait_for_nodes()
 
 
 @pytest.fixture

@@ -21,8 +21,12 @@ class Graph:
     without building another format.
 
     Attributes:
-        indptr: int64, ``(num_nodes + 1,)``.
-        indices: int64, ``(num_edges,)``, source node of each in-edge.
+        indptr: ``(num_nodes + 1,)``, int32 or int64, the same dtype as
+            ``indices``: int32 below 2**31 edges and nodes, int64 past that
+            (:func:`~gnnray.data.csc.structure_dtype`), the layout DGL samples
+            from without a copy (its graph's ``idtype`` is this dtype).
+        indices: ``(num_edges,)``, int32 or int64 as ``indptr``, source node
+            of each in-edge.
         feat: float32, ``(num_nodes, feat_dim)``.
         label: int64, ``(num_nodes,)``; ``-1`` marks unlabelled nodes.
         train_idx: int64 node ids of the training split.
@@ -99,7 +103,7 @@ class GraphParts:
     num_classes: int
     src: Optional[np.ndarray]
     dst: Optional[np.ndarray]
-    feat: Optional[np.ndarray]  # None: the source has no features
+    feat: Optional[object]  # an array or a FeatureSource (gnnray.data.features); None: the source has no features
     label: np.ndarray
     splits: dict
     no_feat: str = ""  # where features were looked for, for the error message
@@ -123,8 +127,10 @@ class GraphParts:
         """The :class:`Graph` of these parts (``reverse=None``: :attr:`reverse_default`); frees the edge list.
 
         A typed graph's reverse edges are relations of their own, ``rev_<relation>``.
+        The CSC is stored as int32 where it fits (:func:`~gnnray.data.csc.compact_csc`).
         """
-        from gnnray.data.csc import build_csc, typed_csc
+        from gnnray.data.csc import build_csc, compact_csc, typed_csc
+        from gnnray.data.features import FeatureSource, materialize
 
         reverse = self.reverse_default if reverse is None else reverse
         types = {}
@@ -142,7 +148,9 @@ class GraphParts:
         else:
             indptr, indices = build_csc(self.src, self.dst, self.num_nodes, reverse, self_loops)
         self.src = self.dst = self.etype = None  # possibly memory-mapped and large: not needed once the CSC exists
-        return Graph(indptr=indptr, indices=indices, feat=self.feat, label=self.label,
+        indptr, indices = compact_csc(indptr, indices)  # rebinding frees the int64 arrays
+        feat = materialize(self.feat, self.label) if isinstance(self.feat, FeatureSource) else self.feat
+        return Graph(indptr=indptr, indices=indices, feat=feat, label=self.label,
                      train_idx=self.splits["train"], valid_idx=self.splits["valid"], test_idx=self.splits["test"],
                      num_classes=self.num_classes, name=self.name, **types)
 

@@ -10,12 +10,15 @@ validated (:mod:`.validate`). Every problem with the data raises
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import numpy as np
 
 from gnnray.config import DataConfig
+from gnnray.data.features import (ArrayRows, FeatureSource, Normalized, RandomRows, check_finite, materialize,
+                                  source_of)
 from gnnray.data.graph import Graph, GraphParts
 from gnnray.data.validate import validate
 from gnnray.errors import DatasetError
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def load_graph(cfg: DataConfig, seed: int = 0) -> Graph:
-    """Read, prepare and validate the graph that ``cfg.dataset`` names.
+    """Read, prepare and validate the graph that ``cfg.dataset`` names, its features in memory.
 
     Args:
         cfg: ``dataset`` picks the source; ``reverse_edges`` (``None``: the
@@ -35,6 +38,19 @@ def load_graph(cfg: DataConfig, seed: int = 0) -> Graph:
 
     Raises:
         DatasetError: The dataset is unknown, missing, unreadable or inconsistent.
+    """
+    graph, source = load_structure(cfg, seed)
+    feat = materialize(source, graph.label)
+    check_finite(feat, source.where)
+    return dataclasses.replace(graph, feat=feat)
+
+
+def load_structure(cfg: DataConfig, seed: int = 0) -> tuple[Graph, FeatureSource]:
+    """As :func:`load_graph`, but the features stay a :class:`~gnnray.data.features.FeatureSource`.
+
+    The graph's ``feat`` is a ``(num_nodes, 0)`` placeholder: with
+    ``--feature-shards`` each shard's rows are produced on its own node
+    (:mod:`gnnray.data.shards`), so the driver never holds the whole table.
     """
     from gnnray.data import graph_dir, mag, ogb, synthetic, typed
 
@@ -60,35 +76,40 @@ def load_graph(cfg: DataConfig, seed: int = 0) -> Graph:
         source = str(path)
         parts = graph_dir.read_graph_dir(path)
 
-    parts.feat = _features(parts, cfg, source, seed)
+    feat = _features(parts, cfg, source, seed)
     if cfg.random_features > 0:
         parts.origins.pop("feat", None)
-    elif parts.typed:
-        typed.fill_missing(parts, cfg.embedding_dim, source)
+    elif parts.typed and parts.has_feat is not None and not parts.has_feat.all():
+        parts.feat = feat if isinstance(feat, np.ndarray) else materialize(feat, parts.label)
+        typed.fill_missing(parts, cfg.embedding_dim, source)  # neighbor means need the whole table
+        feat = source_of(parts.feat)
     if cfg.normalize_features:
         # Row L1 normalisation, as PyG's NormalizeFeatures and the GCN paper's
         # preprocessing of bag-of-words graphs (cora, citeseer, pubmed).
-        sums = np.abs(parts.feat).sum(axis=1, keepdims=True)
-        parts.feat = (parts.feat / np.maximum(sums, 1e-12)).astype(np.float32)
+        feat = Normalized(feat)
+    if feat.num_rows != parts.num_nodes:
+        raise DatasetError(f"{parts.origins.get('feat', source)}: feat has {feat.num_rows} rows but the graph has "
+                           f"{parts.num_nodes} nodes; it needs one row per node")
+    parts.feat = np.zeros((parts.num_nodes, 0), dtype=np.dtype(feat.dtype))
     graph = parts.build(cfg.reverse_edges, cfg.self_loops)
     validate(graph, source, parts.origins)
-    return graph
+    feat.where = parts.origins.get("feat", source)
+    return graph, feat
 
 
-def _features(parts: GraphParts, cfg: DataConfig, source: str, seed: int) -> np.ndarray:
+def _features(parts: GraphParts, cfg: DataConfig, source: str, seed: int) -> FeatureSource:
     if cfg.random_features > 0:
         if parts.feat is not None:
             log.warning("%s: replacing its %d-dim features by random ones (--random-features %d)",
                         source, parts.feat.shape[1], cfg.random_features)
-        rng = np.random.default_rng(seed)
-        return rng.standard_normal((parts.num_nodes, cfg.random_features), dtype=np.float32)
+        return RandomRows(seed, cfg.random_features, parts.num_nodes)
     if parts.feat is None:
         if cfg.embedding_dim > 0:
             # Zero-width features: the learnable embeddings are the whole input
             # and the object store holds no feature bytes.
-            return np.zeros((parts.num_nodes, 0), dtype=np.float32)
+            return ArrayRows(np.zeros((parts.num_nodes, 0), dtype=np.float32))
         raise DatasetError(f"{source}: the graph has no node features ({parts.no_feat}). Add them, pass "
                            f"--embedding-dim DIM to learn node embeddings instead, or pass --random-features DIM "
                            f"to use random features (for load tests: they carry no signal)")
-    return parts.feat
+    return source_of(parts.feat)
 

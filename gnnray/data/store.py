@@ -38,6 +38,9 @@ class GraphHandle:
     nbytes: int
     name: str
     types: Optional[dict] = None  # a typed graph's type names (Graph.types); its type arrays are in the store
+    # --feature-shards K > 1: the sharded table (gnnray.data.shards.ShardedFeatures); the graph's own ``feat``
+    # is then a (num_nodes, 0) placeholder and ``feat_dim`` is the table's.
+    features: Optional[Any] = None
 
     def get(self) -> Graph:
         """Return the graph as write-protected numpy views on this node's object store.
@@ -49,7 +52,7 @@ class GraphHandle:
         import ray
 
         arrays: dict[str, Any] = ray.get(self._ref[0])
-        return Graph(**{k: _write_protected(v) for k, v in arrays.items()}, num_classes=self.num_classes,
+        return Graph(**{k: write_protected(v) for k, v in arrays.items()}, num_classes=self.num_classes,
                      name=self.name, **(self.types or {}))
 
 
@@ -113,7 +116,7 @@ def _libc():
     return libc
 
 
-def _write_protected(a: np.ndarray) -> np.ndarray:
+def write_protected(a: np.ndarray) -> np.ndarray:
     """``a`` as a view on a read-only alias of its pages, or ``a`` itself where that cannot be made.
 
     Small objects (under 100 KiB) are inlined by Ray into each process's own
@@ -133,12 +136,22 @@ def to_dgl(graph: Graph):
 
     The graph is restricted to the CSC format, so any DGL call that would
     materialise COO or CSR for the whole graph (a private copy per process)
-    raises instead of silently copying.
+    raises instead of silently copying. Its ``idtype`` is the arrays' dtype
+    (both int32, or both int64: DGL rejects a mixed pair), so seeds passed to
+    it must have that dtype, and the ids and edge ids it samples come in it.
+    On an int32 graph, DGL 2.1's ``NeighborSampler`` goes wrong after its
+    first batch on its fused path (the default with more than one DGL
+    thread): sample with :class:`~gnnray.pipeline.sampler.Sampler`, which
+    works around it, or pass ``fused=False``.
     """
     import dgl
     import torch
 
+    if graph.indptr.dtype != graph.indices.dtype:
+        raise ValueError(f"indptr ({graph.indptr.dtype}) and indices ({graph.indices.dtype}) must have the same "
+                         f"dtype for DGL; build the graph with gnnray.data.csc.compact_csc")
     indptr, indices = readonly_tensor(graph.indptr), readonly_tensor(graph.indices)
+    # No edge ids (an empty tensor of the idtype): edge ids are CSC positions.
     g = dgl.graph(("csc", (indptr, indices, torch.empty(0, dtype=indices.dtype))), num_nodes=graph.num_nodes)
     return g.formats("csc")
 

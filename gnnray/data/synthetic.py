@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gnnray.data.features import SyntheticRows
 from gnnray.data.graph import Graph, GraphParts
 
 
@@ -25,7 +26,8 @@ def synthetic_parts(n: int, c: int, d: int, avg_degree: int, seed: int,
     # Centroids of norm 1.5 in unit noise: roughly half the nodes are classified
     # right from their own features, most from the mean over their neighbors.
     centroids = rng.standard_normal((c, d), dtype=np.float32) * np.float32(1.5 / np.sqrt(d))
-    feat = centroids[label] + rng.standard_normal((n, d), dtype=np.float32)
+    # Generated where they are needed, the same rows for any range (one table or --feature-shards).
+    feat = SyntheticRows(seed, centroids, n)
 
     # Each undirected edge joins a node (in turn) to a popular one, drawn from the
     # first node's class with probability `homophily`: inverse-CDF sampling

@@ -26,7 +26,17 @@ def validate(graph: Graph, source: str, origins: Optional[dict] = None) -> None:
     def fail(problem: str, array: str = "") -> None:
         raise DatasetError(f"{(origins or {}).get(array, source)}: {problem}")
 
-    for name in ("indptr", "indices", "label", "train_idx", "valid_idx", "test_idx"):
+    for name in ("indptr", "indices"):
+        a = getattr(graph, name)
+        if not isinstance(a, np.ndarray) or a.dtype not in _STRUCTURE_DTYPES or a.ndim != 1:
+            fail(f"{name} must be a 1-D int32 or int64 array, got {_describe(a)}")
+    if graph.indptr.dtype != graph.indices.dtype:
+        fail(f"indptr and indices must have the same dtype (both int32, or both int64 past 2**31 edges or nodes), "
+             f"got {graph.indptr.dtype} indptr and {graph.indices.dtype} indices; DGL samples only such a pair")
+    if graph.indptr.dtype == np.int32 and (graph.indptr.size > 2**31 or graph.indices.size >= 2**31):
+        fail(f"int32 indptr and indices hold fewer than 2**31 nodes and edges, this graph has "
+             f"{graph.indptr.size - 1} nodes and {graph.indices.size} edges; store both as int64")
+    for name in ("label", "train_idx", "valid_idx", "test_idx"):
         a = getattr(graph, name)
         if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1:
             fail(f"{name} must be a 1-D int64 array, got {_describe(a)}")
@@ -113,7 +123,8 @@ def _validate_types(graph: Graph, fail) -> None:
 
     indptr, v = graph.indptr, 0
     while v < n:
-        w = min(n, max(v + 1, int(np.searchsorted(indptr, indptr[v] + CHUNK_EDGES, side="right")) - 1))
+        # int(...): the sum must not wrap in int32.
+        w = min(n, max(v + 1, int(np.searchsorted(indptr, int(indptr[v]) + CHUNK_EDGES, side="right")) - 1))
         a, b = int(indptr[v]), int(indptr[w])
         t = etype[a:b].astype(np.int64)
         dst = np.repeat(np.arange(v, w), np.diff(indptr[v:w + 1]))
@@ -139,6 +150,7 @@ def _validate_types(graph: Graph, fail) -> None:
 
 
 _FEAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_STRUCTURE_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def _describe(a) -> str:

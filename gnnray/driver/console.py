@@ -25,10 +25,12 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def graph_line(graph) -> str:
-    return (f"graph {graph.name}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, {graph.feat_dim} features, "
+def graph_line(graph, feat_dim: Optional[int] = None, feat_bytes: int = 0) -> str:
+    """The graph's one line; ``feat_dim`` and ``feat_bytes`` when its features are sharded (not in ``graph``)."""
+    dim = graph.feat_dim if feat_dim is None else feat_dim
+    return (f"graph {graph.name}: {graph.num_nodes:,} nodes, {graph.num_edges:,} edges, {dim} features, "
             f"{graph.num_classes} classes, train/valid/test {len(graph.train_idx):,}/{len(graph.valid_idx):,}/"
-            f"{len(graph.test_idx):,}, {graph.nbytes / 2**20:.1f} MiB")
+            f"{len(graph.test_idx):,}, {(graph.nbytes + feat_bytes) / 2**20:.1f} MiB")
 
 
 def quiet_ray(verbose: bool) -> None:

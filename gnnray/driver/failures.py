@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gnnray.errors import last_line
+
 
 def one_line(e: BaseException) -> str:
     """The failure in one line: the root failed rank's error, and its node when its process died or went silent.
@@ -14,13 +16,8 @@ def one_line(e: BaseException) -> str:
     if failures:
         ranked = sorted(failures.items(), key=lambda kv: (not node_of(kv[1]), kv[0]))
         rank, err = ranked[0]
-        return f"rank {rank}{node_of(err)}: {_last_line(err)}"
-    return _last_line(e)
-
-
-def _last_line(e: BaseException) -> str:
-    lines = [l for l in str(e).strip().splitlines() if l.strip()]
-    return lines[-1] if lines else type(e).__name__
+        return f"rank {rank}{node_of(err)}: {last_line(err)}"
+    return last_line(e)
 
 
 def node_of(err: BaseException) -> str:

@@ -60,8 +60,10 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
     import ray.train
 
     run_dir = preflight.check_storage(cfg)
-    graph, handle, local = launch.load_and_publish(cfg)
-    use_gpu = launch.resolve_gpu(cfg, local)
+    pub = launch.load_and_publish(cfg)
+    graph = pub.graph
+    use_gpu = launch.resolve_gpu(cfg, pub.local)
+    owners = _embedding_owners(cfg, pub)
 
     restarts = 0
     while True:
@@ -69,12 +71,12 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         if latest and latest.epoch + 1 >= cfg.train.epochs:
             console.say(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
                         "(use a new --name, or more --epochs to continue)")
-            return _summary(_final_eval(cfg, latest, graph, handle, model_factory, run_dir), restarts)
+            return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
         first_epoch = latest.epoch + 1 if latest else 0
         if latest:
             console.say(f"resuming run {cfg.run.name!r} from epoch {first_epoch} ({latest.path})")
-        setup = WorkerSetup(cfg, handle, first_epoch, latest.path if latest else None, restarts, run_dir,
-                            model_factory)
+        setup = WorkerSetup(cfg, pub.handle, first_epoch, latest.path if latest else None, restarts, run_dir,
+                            model_factory, owners)
         try:
             with console.EpochPrinter(run_dir, cfg.train.epochs):
                 _fit(cfg, setup, graph, use_gpu)
@@ -84,9 +86,36 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             restarts += 1
             console.say(f"training failed ({one_line(e)}); restart {restarts}/{cfg.run.max_failures} "
                         "from the last checkpoint")
+            pub = launch.rebuild_lost_shards(pub)
+            owners = _embedding_owners(cfg, pub, owners)
             continue
         latest, _ = checkpoint.latest_valid(run_dir)
-        return _summary(_final_eval(cfg, latest, graph, handle, model_factory, run_dir), restarts)
+        return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
+
+
+def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tuple] = None) -> Optional[tuple]:
+    """With ``--feature-shards`` and ``--embedding-dim``: the embedding shards' owners, beside the feature shards.
+
+    After a failure they are made again if one was lost; the restarted attempt
+    loads their rows from the checkpoint (or resets them) either way.
+    """
+    import ray
+    import ray.exceptions
+
+    from gnnray.train.embedding import create_owners
+
+    features = pub.handle.features
+    if features is None or not cfg.data.embedding_dim:
+        return None
+    if owners:
+        try:
+            ray.get([o[3].ping.remote() for o in owners], timeout=cfg.data.feature_timeout)
+            if [o[2] for o in owners] == [f"node {s.address} ({s.node_id[:8]})" for s in features.shards]:
+                return owners
+        except (ray.exceptions.RayError, TimeoutError):
+            pass
+    return create_owners([(s.lo, s.hi, s.node_id, s.address) for s in features.shards], cfg.data.embedding_dim,
+                         cfg.train.embedding_lr or cfg.train.lr, cfg.run.seed)
 
 
 def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> None:
@@ -134,7 +163,7 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
 
     if cfg.train.eval != "layerwise" or latest.metrics.get("eval") == "layerwise":
         return latest
-    model, embedding = layerwise.load_model(latest.path, cfg, graph.feat_dim, graph.num_classes, model_factory)
+    model, embedding = layerwise.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
     if not layerwise.supports_layerwise(model):
         console.say(f"note: {type(model).__name__} has no layer(i, block, h): final accuracies are sampled")
         return latest

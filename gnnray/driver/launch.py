@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import time
 import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
 
 from gnnray.config import JobConfig
+from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.driver import console, preflight
 from gnnray.errors import ClusterError
 
+# How long an autoscaling cluster may take to add the nodes the feature shards need.
+AUTOSCALE_WAIT_S = 900
 _RAY_DEPRECATION = "`ExecutionOptions.exclude_resources` is deprecated"
 
 
@@ -66,11 +75,100 @@ def resolve_gpu(cfg: JobConfig, local: bool) -> bool:
     return use_gpu
 
 
-def load_and_publish(cfg: JobConfig) -> tuple[Graph, GraphHandle, bool]:
-    """Load the graph, then :func:`publish_checked`."""
-    from gnnray.data.load import load_graph
+@dataclass
+class Published:
+    """What the driver keeps of a published graph.
 
-    return publish_checked(cfg, load_graph(cfg.data, cfg.run.seed))
+    Attributes:
+        graph: The graph as read-only views on the store (the loading copy is
+            freed); with ``--feature-shards K > 1`` its ``feat`` is a
+            ``(num_nodes, 0)`` placeholder and the driver holds no feature rows.
+        handle: Its handle (this process owns the objects: it must outlive
+            every user); ``handle.features`` names the shards.
+        local: Whether the cluster is a local one (fixed size).
+        source: Where the shards' rows come from, to rebuild lost ones.
+    """
+
+    graph: Graph
+    handle: GraphHandle
+    local: bool
+    source: Optional[FeatureSource] = None
+
+
+def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]] = None) -> Published:
+    """Load the graph and connect to Ray, then :func:`publish_checked`, or place the feature shards.
+
+    ``model_check(feat_dim, num_classes)`` runs after loading, before Ray starts (predict's model check).
+    """
+    from gnnray.data.load import load_graph, load_structure
+
+    if cfg.data.feature_shards == 1:
+        graph = load_graph(cfg.data, cfg.run.seed)
+        if model_check:
+            model_check(graph.feat_dim, graph.num_classes)
+        if graph.feat.dtype != np.dtype(cfg.data.feature_dtype):
+            graph = dataclasses.replace(graph, feat=graph.feat.astype(cfg.data.feature_dtype))
+        return Published(*publish_checked(cfg, graph))
+    graph, source = load_structure(cfg.data, cfg.run.seed)
+    if model_check:
+        model_check(source.dim, graph.num_classes)
+    return _publish_sharded(cfg, graph, source)
+
+
+def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource) -> Published:
+    """Publish the structure once per node, then the feature table as ``--feature-shards`` shards (``shards.build``)."""
+    from gnnray.data import shards
+    from gnnray.data.store import publish
+
+    d = cfg.data
+    table = source.num_rows * source.dim * np.dtype(d.feature_dtype).itemsize
+    console.say(console.graph_line(graph, source.dim, table))
+    local = init_ray(cfg)
+    shard_bytes = -(-source.num_rows // d.feature_shards) * source.dim * np.dtype(d.feature_dtype).itemsize
+    cache_bytes = shards.cache_nbytes(source.num_rows, source.dim, d.feature_dtype, d.feature_cache)
+    nodes = _shard_nodes(cfg, local, graph.nbytes, shard_bytes, cache_bytes)
+    handle = publish(graph)
+    features = shards.build(source, handle._ref, graph.indptr, nodes, d.feature_dtype, d.feature_cache,
+                            d.feature_timeout, preflight.nodes, graph.nbytes)
+    console.say(f"features: {d.feature_shards} shards of {shard_bytes / 2**20:.1f} MiB on "
+                + ", ".join(s.address for s in features.shards)
+                + f"; cache {d.feature_cache:.0%} of nodes ({cache_bytes / 2**20:.1f} MiB on every node)")
+    handle = dataclasses.replace(handle, features=features, feat_dim=source.dim)
+    return Published(handle.get(), handle, local, source)
+
+
+def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes: int, cache_bytes: int) -> list:
+    """The nodes to hold the shards; on an autoscaling cluster, wait (saying so) until there are enough."""
+    import ray
+
+    from gnnray.data import shards
+
+    driver_node = ray.get_runtime_context().get_node_id()
+    deadline, said = time.monotonic() + AUTOSCALE_WAIT_S, False
+    while True:
+        try:
+            return shards.choose_nodes(cfg.data.feature_shards, structure_bytes, shard_bytes, cache_bytes,
+                                       preflight.nodes(), driver_node)
+        except ClusterError as e:
+            if local or not preflight.autoscaling() or time.monotonic() > deadline:
+                raise
+            if not said:
+                console.say(f"waiting up to {AUTOSCALE_WAIT_S // 60} min for the autoscaler to add nodes: {e}")
+                said = True
+            time.sleep(10)
+
+
+def rebuild_lost_shards(pub: Published) -> Published:
+    """After a failed attempt: make the shards whose node or server was lost again, on alive nodes."""
+    from gnnray.data import shards
+
+    if pub.handle.features is None:
+        return pub
+    features = shards.repair(pub.handle.features, pub.source, pub.handle._ref, preflight.nodes(), pub.graph.nbytes)
+    if features is pub.handle.features:
+        return pub
+    console.say("features: rebuilt lost shards on " + ", ".join(s.address for s in features.shards))
+    return dataclasses.replace(pub, handle=dataclasses.replace(pub.handle, features=features))
 
 
 def publish_checked(cfg: JobConfig, graph: Graph) -> tuple[Graph, GraphHandle, bool]:

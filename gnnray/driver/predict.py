@@ -74,12 +74,15 @@ def _checkpoint_config(path: str):
 
 def _predict(cfg, directory: str, output: str, with_embeddings: bool, work_dir: str,
              batch_size: int) -> InferenceResult:
-    from gnnray.data.load import load_graph
-    from gnnray.driver.launch import publish_checked
+    from gnnray.driver.launch import load_and_publish
 
-    graph = load_graph(cfg.data, cfg.run.seed)
-    model, embedding = load_model(directory, cfg, graph.feat_dim, graph.num_classes)  # a mismatch fails before Ray
-    graph, handle, _ = publish_checked(cfg, graph)
-    return run(graph, handle, model, embedding=embedding, work_dir=work_dir, batch_size=batch_size,
+    loaded = {}
+
+    def check(feat_dim: int, num_classes: int) -> None:  # a mismatch fails before Ray starts
+        loaded["model"], loaded["embedding"] = load_model(directory, cfg, feat_dim, num_classes)
+
+    pub = load_and_publish(cfg, check)
+    model, embedding = loaded["model"], loaded["embedding"]
+    return run(pub.graph, pub.handle, model, embedding=embedding, work_dir=work_dir, batch_size=batch_size,
                actors=(cfg.sampler.actors_min, cfg.sampler.actors_max), cpus_per_actor=cfg.sampler.cpus_per_actor,
                output=output, with_embeddings=with_embeddings)

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from gnnray.config import JobConfig
-from gnnray.errors import ClusterError, ConfigError
+from gnnray.errors import ClusterError, ConfigError, size_text
 
 # Share of a node's object store the graph may take: the rest holds the
 # mini-batches in flight and Ray's own objects.
@@ -105,11 +105,12 @@ def check_object_store(graph_bytes: int, cluster: list[Node]) -> None:
     for n in cluster:
         if graph_bytes > GRAPH_STORE_FRACTION * n.object_store_bytes:
             raise ClusterError(
-                f"the graph takes {_size(graph_bytes)} but the object store of node {n.address} "
-                f"({n.node_id[:8]}) holds {_size(n.object_store_bytes)}; it may use at most "
+                f"the graph takes {size_text(graph_bytes)} but the object store of node {n.address} "
+                f"({n.node_id[:8]}) holds {size_text(n.object_store_bytes)}; it may use at most "
                 f"{GRAPH_STORE_FRACTION:.0%} of it. Give every node a larger store: `ray start "
                 f"--object-store-memory BYTES` (or `ray.init(object_store_memory=BYTES)` before calling gnnray), "
-                f"at least {_size(math.ceil(graph_bytes / GRAPH_STORE_FRACTION))}; or train on a smaller graph")
+                f"at least {size_text(math.ceil(graph_bytes / GRAPH_STORE_FRACTION))}; or split the features over "
+                f"nodes with --feature-shards K")
 
 
 def _fits(have: float, each: float) -> float:
@@ -120,10 +121,6 @@ def _describe(cluster: list[Node]) -> str:
     gpus = sum(n.gpus for n in cluster)
     return (f"{len(cluster)} node{'s' if len(cluster) != 1 else ''}, CPUs per node "
             f"{', '.join(f'{n.cpus:g}' for n in cluster)}" + (f", {gpus:g} GPUs" if gpus else ", no GPU"))
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_storage(cfg: JobConfig) -> str:

@@ -121,18 +121,28 @@ class LayerRunner:
             layer's output after it.
     """
 
-    def __init__(self, graph: Graph, model: torch.nn.Module, layer: int, inputs: Sequence[np.ndarray]):
+    def __init__(self, graph: Graph, model: torch.nn.Module, layer: int, inputs: Sequence):
+        from gnnray.pipeline.features import FeatureReader, LocalRows
         from gnnray.pipeline.sampler import Sampler
 
         self._sampler = Sampler(graph, (-1,))
-        self._model, self._layer, self._inputs = model, layer, [a for a in inputs if a.shape[1] > 0]
+        self._model, self._layer = model, layer
+        # Readers: layer 0's features are read as training reads them (sharded or not).
+        self._inputs = [a if isinstance(a, FeatureReader) else LocalRows(a) for a in inputs]
+        self._inputs = [r for r in self._inputs if r.dim > 0]
 
     def __call__(self, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """Return the layer's output for nodes ``ids`` and their own input rows."""
         mb = self._sampler.sample(ids)
         nodes = mb.input_nodes.numpy()
         # float32 whatever the stored precision (MAG240M's features are float16).
-        x = np.concatenate([np.take(a, nodes, axis=0).astype(np.float32, copy=False) for a in self._inputs], axis=1)
+        x = np.empty((len(nodes), sum(r.dim for r in self._inputs)), dtype=np.float32)
+        col = 0
+        for r in self._inputs:
+            part = np.empty((len(nodes), r.dim), dtype=np.float32)
+            r.gather(nodes, part)
+            x[:, col:col + r.dim] = part
+            col += r.dim
         with torch.no_grad():
             h = self._model.layer(self._layer, mb.blocks()[0], torch.from_numpy(x))
         return h, x[: len(ids)]  # the chunk's nodes come first among the block's source nodes
@@ -150,7 +160,9 @@ class _LayerActor:
         self._with_embeddings = with_embeddings
         self._runner = None
         if input_path is None:  # layer 0: features from the store, plus the embedding table if any
-            inputs = [self._graph.feat] + ([ray.get(embedding[0])] if embedding else [])
+            from gnnray.pipeline.features import reader_for
+
+            inputs = [reader_for(self._graph, graph.features)] + ([ray.get(embedding[0])] if embedding else [])
             self._runner = LayerRunner(self._graph, self._model, layer, inputs)
 
     def __call__(self, batch: dict) -> dict:
@@ -220,7 +232,7 @@ def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding:
     model = model.cpu().eval()
     start = time.perf_counter()
     n = graph.num_nodes
-    widths = _layer_widths(model, graph.feat_dim + (0 if embedding is None else embedding.shape[1]))
+    widths = _layer_widths(model, handle.feat_dim + (0 if embedding is None else embedding.shape[1]))
     model_ref = [ray.put(model)]
     embedding_ref = [ray.put(np.ascontiguousarray(embedding, dtype=np.float32))] if embedding is not None else None
     if work_dir:

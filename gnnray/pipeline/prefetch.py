@@ -16,12 +16,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional, Union
 
 import numpy as np
 import torch
 
 from gnnray.pipeline.batch import MiniBatch
+from gnnray.pipeline.features import FeatureReader, LocalRows
 
 _END = object()
 
@@ -59,13 +60,11 @@ class HostSlot:
         self._feat = self._grow(self._feat, rows * dim)
         return self._feat[: rows * dim].view(rows, dim)
 
-    def gather(self, feat: np.ndarray, ids: np.ndarray) -> torch.Tensor:
-        """Rows ``ids`` of ``feat``, gathered into this slot's reused buffer (valid until the next gather)."""
-        x = self.feat(ids.shape[0], feat.shape[1])
-        if feat.dtype == np.float32:
-            np.take(feat, ids, axis=0, out=x.numpy())
-        else:  # float16 features (MAG240M): gathered, then widened into the buffer
-            x.numpy()[:] = np.take(feat, ids, axis=0)
+    def gather(self, feat: Union[np.ndarray, FeatureReader], ids: np.ndarray) -> torch.Tensor:
+        """Rows ``ids`` of ``feat`` (a table or a reader), into this slot's reused buffer (valid until the next)."""
+        reader = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
+        x = self.feat(ids.shape[0], reader.dim)
+        reader.gather(ids, x.numpy())
         return x
 
 
@@ -77,15 +76,18 @@ class Prefetcher:
 
     Args:
         rows: Packed mini-batches (1-D int32 or int64 numpy arrays), read in order.
-        feat: Node features, ``(num_nodes, F)`` float32 (read-only is fine).
+        feat: Node features: a ``(num_nodes, F)`` float32 or float16 table
+            (read-only is fine) or a :class:`~gnnray.pipeline.features.FeatureReader`
+            (sharded features: remote rows are fetched here, on this thread).
         device: Where batches are delivered.
         depth: Batches prepared ahead of the consumer.
     """
 
-    def __init__(self, rows: Iterable[np.ndarray], feat: np.ndarray, device: torch.device, depth: int = 2):
+    def __init__(self, rows: Iterable[np.ndarray], feat: Union[np.ndarray, FeatureReader], device: torch.device,
+                 depth: int = 2):
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
-        self._feat = feat
+        self._feat = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
         self._slots = [HostSlot(pin=self._cuda) for _ in range(depth + 2)]
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -158,7 +160,7 @@ class Prefetcher:
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(_Failure(exc))
 
-    def _prepare(self, packed: np.ndarray, slot: _HostSlot):
+    def _prepare(self, packed: np.ndarray, slot: HostSlot):
         if slot.copied is not None:
             slot.copied.synchronize()  # the last copy out of this slot must finish before we overwrite it
         ids = slot.ids(packed.shape[0], packed.dtype)

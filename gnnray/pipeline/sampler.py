@@ -11,6 +11,7 @@ code wherever it runs.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -38,11 +39,21 @@ class Sampler:
         self._g = to_dgl(graph)
         self._sampler = dgl.dataloading.NeighborSampler(list(fanouts))
         self.id_dtype = id_dtype(graph.num_nodes)  # what to pack this graph's batches as
+        # DGL takes seeds only in the graph's idtype: the dtype of its CSC, int32 below 2**31 edges.
+        self._seed_dtype = graph.indices.dtype
 
     def sample(self, seeds: np.ndarray, epoch: int = -1) -> MiniBatch:
-        """Sample the blocks of ``seeds`` (global node ids)."""
-        seeds_t = torch.from_numpy(np.ascontiguousarray(seeds, dtype=np.int64))
+        """Sample the blocks of ``seeds`` (global node ids, any integer dtype).
+
+        The batch's ids and blocks come in the graph's ``indices`` dtype
+        (int32 for a compact graph), its labels as int64.
+        """
+        seeds_t = torch.from_numpy(np.ascontiguousarray(seeds, dtype=self._seed_dtype))
+        fused = self._g.idtype != torch.int64 and self._fused_scratch()
         input_nodes, output_nodes, blocks = self._sampler.sample_blocks(self._g, seeds_t)
+        if fused and any(m.dtype != self._g.idtype for ms in self._sampler.mapping.values() for m in ms):
+            # DGL made its own (int64) scratch: this batch is right (a fresh one), the next ones would not be.
+            self._sampler.fused, self._sampler.mapping = False, {}
         layers = []
         for block in blocks:
             # Local-id CSC is what the worker's message passing reads (in-edges),
@@ -51,6 +62,32 @@ class Sampler:
             layers.append(Layer(indptr, indices, block.num_src_nodes(), self._etypes(block, eids)))
         labels = torch.from_numpy(self._graph.label[output_nodes.numpy()])
         return MiniBatch(output_nodes, labels, input_nodes, layers, epoch=epoch)
+
+    def _fused_scratch(self) -> bool:
+        """Give DGL's fused sampling a scratch array of the graph's idtype; whether that path will run.
+
+        DGL 2.1's fused CPU sampling (``NeighborSampler``'s path while DGL
+        runs more than one OMP thread) keeps a node-sized node -> local id
+        scratch array per process, allocated as int64 (``torch.LongTensor``)
+        but read and written as the graph's idtype. On an int32 graph, its
+        reset after each batch then misses most entries and later batches
+        come out wrong (source ids past the block's sources, edges the graph
+        lacks). An int32 array of ``-1`` under the key DGL looks up is what
+        its kernel expects (half the memory, too). Allocated only when the
+        fused path runs: single-threaded (sampler actors of one CPU) DGL
+        samples without it.
+        """
+        import dgl
+
+        s = self._sampler
+        if not (s.fused and dgl.utils.get_num_threads() > 1):
+            return False
+        if s.g is not self._g:  # NeighborSampler drops its scratch when the graph changes
+            s.g, s.mapping = self._g, {}
+        key = f"__mapping{os.getpid()}"  # the key dgl.sampling.neighbor._sample_neighbors uses
+        if key not in s.mapping:
+            s.mapping[key] = [torch.full((self._g.num_nodes(),), -1, dtype=self._g.idtype)]
+        return True
 
     def _etypes(self, block, eids: torch.Tensor):
         """Each of ``block``'s CSC edges' relation, or ``None`` for an untyped graph.
@@ -62,9 +99,9 @@ class Sampler:
 
         if self._graph.etype is None:
             return None
-        parent = block.edata[dgl.EID]
+        parent = block.edata[dgl.EID]  # in the graph's idtype, int32 or int64
         if eids.numel():
-            parent = parent[eids]
+            parent = parent[eids.long()]
         return torch.from_numpy(self._graph.etype[parent.numpy()])
 
 

@@ -9,6 +9,7 @@ import torch
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
 from gnnray.pipeline.batch import MiniBatch
+from gnnray.pipeline.features import FeatureReader, LocalRows
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.sampler import Sampler
 from gnnray.train.embedding import NodeEmbedding
@@ -18,8 +19,9 @@ class Evaluator:
     """Sampled evaluation of a split: each rank takes every ``world``-th node, so the ranks cover each node once."""
 
     def __init__(self, graph: Graph, cfg: JobConfig, rank: int, world: int, device,
-                 embedding: Optional[NodeEmbedding] = None):
+                 embedding: Optional[NodeEmbedding] = None, features: Optional[FeatureReader] = None):
         self._graph, self._cfg, self._rank, self._world, self._device = graph, cfg, rank, world, device
+        self._features = features if features is not None else LocalRows(graph.feat)
         self._embedding = embedding
         self._sampler = Sampler(graph, cfg.sampler.fanouts)
 
@@ -32,7 +34,7 @@ class Evaluator:
         net = getattr(model, "module", model)  # no DDP hooks needed without backward
         net.eval()
         packed = (self._sampler.sample(chunk).pack(self._sampler.id_dtype) for chunk in chunks)
-        with torch.no_grad(), Prefetcher(packed, self._graph.feat, self._device, self._cfg.train.prefetch) as batches:
+        with torch.no_grad(), Prefetcher(packed, self._features, self._device, self._cfg.train.prefetch) as batches:
             for mb in batches:
                 acc.update(net(mb.blocks(), model_input(mb, self._embedding)).argmax(1), mb.labels)
         return float(acc.compute())  # synchronised across ranks by torchmetrics

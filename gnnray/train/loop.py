@@ -24,10 +24,11 @@ from gnnray.data.store import GraphHandle
 from gnnray.logs import quiet_console
 from gnnray.metrics import TrainMetrics
 from gnnray.pipeline.batch import MiniBatch, from_arrow
+from gnnray.pipeline.features import reader_for
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.seeds import steps_per_epoch
 from gnnray.train import checkpoint
-from gnnray.train.embedding import NodeEmbedding
+from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator, model_input
 from gnnray.train.model import model_for
 from gnnray.train.report import METRICS_LOG, Progress, max_private_memory_mb, report, saved_config
@@ -50,6 +51,8 @@ class WorkerSetup:
             prints both as they arrive.
         model_factory: ``(in_feats, num_classes, cfg) -> nn.Module`` whose
             ``forward(blocks, x)`` returns logits; ``--model`` by default.
+        embedding_owners: With ``--feature-shards`` and ``--embedding-dim``:
+            the owners of the embedding table's shards (``train.embedding.create_owners``).
     """
 
     cfg: JobConfig
@@ -59,6 +62,7 @@ class WorkerSetup:
     restarts: int = 0
     run_dir: Optional[str] = None
     model_factory: Optional[ModelFactory] = None
+    embedding_owners: Optional[tuple] = None
 
 
 def train_loop(config: dict) -> None:
@@ -78,21 +82,30 @@ def train_loop(config: dict) -> None:
     device = ray.train.torch.get_device()
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
 
-    # 1. The node-shared graph, the model and, with --embedding-dim, the node embeddings.
+    # 1. The node-shared graph and its features (sharded or not), the model and, with --embedding-dim, the
+    # node embeddings.
     graph = setup.graph.get()
-    in_feats = graph.feat_dim + cfg.data.embedding_dim
+    features = reader_for(graph, setup.graph.features)
+    in_feats = setup.graph.feat_dim + cfg.data.embedding_dim
     model = (setup.model_factory(in_feats, graph.num_classes, cfg) if setup.model_factory
              else model_for(in_feats, graph.num_classes, cfg, graph.num_relations))
-    # Replicated on every rank, outside DDP; see gnnray.train.embedding for how the ranks stay consistent.
-    embedding = (NodeEmbedding(graph.num_nodes, cfg.data.embedding_dim, cfg.train.embedding_lr or cfg.train.lr,
-                               cfg.run.seed) if cfg.data.embedding_dim else None)
+    # Outside DDP: replicated on every rank, or with --feature-shards held by owners on the shard nodes; see
+    # gnnray.train.embedding for how the ranks stay consistent.
+    embedding_lr = cfg.train.embedding_lr or cfg.train.lr
+    embedding = None
+    if setup.embedding_owners:
+        embedding = ShardedEmbedding(setup.embedding_owners, graph.num_nodes, cfg.data.embedding_dim, embedding_lr,
+                                     cfg.data.feature_timeout)
+    elif cfg.data.embedding_dim:
+        embedding = NodeEmbedding(graph.num_nodes, cfg.data.embedding_dim, embedding_lr, cfg.run.seed)
 
-    # 2. Restore the checkpoint the driver chose, if any.
+    # 2. Restore the checkpoint the driver chose, if any (the owners of a sharded table are reset without one:
+    # they outlive a failed attempt).
     state = checkpoint.load_state(setup.resume_from) if setup.resume_from else None
     if state:
         model.load_state_dict(state["model"])
-        if embedding:
-            embedding.load_state_dict(state["embedding"])
+    if state and embedding or isinstance(embedding, ShardedEmbedding):
+        embedding.load_state_dict(state["embedding"] if state else None)
 
     # 3. Ray Train: wrap the model in DDP and move it to this worker's device.
     model = ray.train.torch.prepare_model(model)
@@ -110,18 +123,21 @@ def train_loop(config: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
     rows = (row for block in blocks for row in from_arrow(block))
-    evaluator = Evaluator(graph, cfg, rank, world, device, embedding)
+    evaluator = Evaluator(graph, cfg, rank, world, device, embedding, reader_for(graph, setup.graph.features))
     exported = TrainMetrics(cfg.run.name, rank)
     progress = Progress(setup.run_dir if rank == 0 else None)
     metrics_log = os.path.join(setup.run_dir, METRICS_LOG) if setup.run_dir and rank == 0 else None
 
-    with Prefetcher(rows, graph.feat, device, depth=cfg.train.prefetch) as batches:
+    with Prefetcher(rows, features, device, depth=cfg.train.prefetch) as batches:
         for _ in range((start - setup.first_epoch) * steps):  # stream starts before the checkpoint: skip
             next(batches)
         for epoch in range(start, cfg.train.epochs):
             # 5. Train one epoch, then evaluate (sampled, all ranks together).
+            fetched = features.stats()
             stats = train_epoch(model, optimizer, batches, steps, graph.num_classes, device, exported, embedding,
                                 lambda step: progress.update(epoch, step, steps))
+            if setup.graph.features is not None:  # what sharding cost this rank (the prefetch thread's gathers)
+                stats.update(exported.features(features.stats().since(fetched)))
             val_acc = evaluator.accuracy(model, "valid")
             best_val = max(best_val, val_acc)
             metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=setup.restarts)

@@ -112,7 +112,7 @@ def test_graph_dir_accepts_narrow_ints_lists_and_dictionary_strings(tmp_path):
                            nodes={"feat": pa.array([[float(v)] * 3 for v in ids], pa.list_(pa.float64())),
                                   "split": split})
     g = load_dir(path)
-    assert g.feat.dtype == np.float32 and g.indices.dtype == np.int64
+    assert g.feat.dtype == np.float32 and g.indptr.dtype == g.indices.dtype == np.int32  # compact_csc
     np.testing.assert_array_equal(g.feat[:, 2], np.arange(6, dtype=np.float32))
     assert (g.train_idx.tolist(), g.valid_idx.tolist(), g.test_idx.tolist()) == ([0, 1], [2], [3])
 
@@ -212,8 +212,10 @@ def _set(a: np.ndarray, i, value) -> np.ndarray:
 
 
 BAD_GRAPHS = {
-    "int32 indptr": (lambda g: dict(indptr=g.indptr.astype(np.int32)), "indptr must be a 1-D int64"),
-    "float indices": (lambda g: dict(indices=g.indices.astype(np.float64)), "indices must be a 1-D int64"),
+    "int64 indptr, int32 indices": (lambda g: dict(indptr=g.indptr.astype(np.int64)),
+                                    "indptr and indices must have the same dtype"),
+    "int16 indptr": (lambda g: dict(indptr=g.indptr.astype(np.int16)), "indptr must be a 1-D int32 or int64"),
+    "float indices": (lambda g: dict(indices=g.indices.astype(np.float64)), "indices must be a 1-D int32 or int64"),
     "int32 label": (lambda g: dict(label=g.label.astype(np.int32)), "label must be a 1-D int64"),
     "int32 split": (lambda g: dict(test_idx=g.test_idx.astype(np.int32)), "test_idx must be a 1-D int64"),
     "float64 feat": (lambda g: dict(feat=g.feat.astype(np.float64)), "feat must be a 2-D float32"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -18,8 +19,19 @@ GRAPHS = {
     # Many duplicate edges (multigraph) and a few high in-degree nodes.
     "multi": lambda: tiny_graph(num_nodes=12, num_edges=150, seed=3),
     "random500": lambda: tiny_graph(num_nodes=500, num_edges=4000, seed=1),
+    # The structure as the loader stores it (compact_csc): int32, a DGL graph of idtype int32.
+    "multi-int32": lambda: compact(tiny_graph(num_nodes=12, num_edges=150, seed=3)),
+    "random500-int32": lambda: compact(tiny_graph(num_nodes=500, num_edges=4000, seed=1)),
 }
 FANOUTS = [(2,), (3, 2), (-1, 4), (5, -1, 2), (-1, -1)]
+
+
+def compact(graph: Graph) -> Graph:
+    from gnnray.data.csc import compact_csc
+
+    indptr, indices = compact_csc(graph.indptr, graph.indices)
+    assert indices.dtype == np.int32
+    return dataclasses.replace(graph, indptr=indptr, indices=indices)
 
 
 def in_edge_counts(graph: Graph, v: int) -> Counter:
@@ -98,20 +110,26 @@ def test_sampler_accepts_other_int_dtypes_and_lists():
     mb = sampler.sample(np.array([4, 2], dtype=np.int32))
     assert mb.seeds.dtype == torch.int64
     check_batch(graph, (3,), np.array([4, 2]), mb)
+    # An int32 graph takes int64 seeds (DGL wants its idtype) and gives int32 ids, int64 labels.
+    small = compact(graph)
+    mb = Sampler(small, (3,)).sample(np.array([4, 2], dtype=np.int64))
+    assert mb.seeds.dtype == mb.input_nodes.dtype == torch.int32 and mb.labels.dtype == torch.int64
+    check_batch(small, (3,), np.array([4, 2]), mb)
 
 
 def test_default_epoch_is_evaluation():
     assert Sampler(tiny_graph(), (2,)).sample(np.array([0])).epoch == -1
 
 
-def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster):
+@pytest.mark.parametrize("structure", ["int64", "int32"])
+def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster, structure):
     import pyarrow as pa
 
     from gnnray.pipeline.batch import from_arrow
     from gnnray.data.store import publish
     from gnnray.pipeline.seeds import SeedPlan
 
-    graph = tiny_graph()
+    graph = tiny_graph() if structure == "int64" else compact(tiny_graph())
     handle = publish(graph)
     plan = SeedPlan.for_run(graph.train_idx, batch_size=4, num_workers=1, seed=3)
     actor = SamplerActor(handle, (3, 2), plan)

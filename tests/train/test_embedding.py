@@ -132,3 +132,30 @@ def test_featureless_job_learns_from_structure(ray_cluster, tmp_path):
     assert state["embedding"]["optimizer"]["state"]  # SparseAdam's moments are saved for resume
     config = checkpoint.read_meta(summary.checkpoint)["config"]
     assert config["data"]["embedding_dim"] == 16 and config["model"]["name"] == "gcn"
+
+
+def test_sharded_table_updates_match_the_replicated_one(ray_cluster):
+    """Owners applying SparseAdam to their rows give the replicated table's values; a rank holds only its batch."""
+    from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding, create_owners
+
+    ray = ray_cluster
+    n, dim, lr = 1000, 4, 0.05
+    node = ray.get_runtime_context().get_node_id()
+    owners = create_owners([(0, 300, node, "head"), (300, 700, node, "head"), (700, n, node, "head")], dim, lr, 7)
+    sharded, replicated = ShardedEmbedding(owners, n, dim, lr, 60.0), NodeEmbedding(n, dim, lr, 7)
+    rng = np.random.default_rng(0)
+    for step in range(4):
+        ids = torch.from_numpy(rng.choice(n, 50, replace=False))
+        target = torch.from_numpy(rng.standard_normal((50, dim)).astype(np.float32))
+        for table in (sharded, replicated):
+            table.zero_grad()
+            ((table(ids) - target) ** 2).sum().backward()
+            table.step()
+        assert sharded.nbytes == 0  # rows are dropped after the step: no table on the rank
+    touched = torch.arange(n)
+    with torch.no_grad():
+        assert torch.allclose(sharded(touched), replicated(touched), atol=1e-6)
+    state = sharded.state_dict()
+    assert torch.allclose(state["weight"], replicated.table.weight.detach(), atol=1e-6)
+    assert torch.allclose(state["optimizer"]["state"][0]["exp_avg"],
+                          replicated.optimizer.state_dict()["state"][0]["exp_avg"].to_dense(), atol=1e-6)

@@ -1,0 +1,172 @@
+"""With stage 5 (train worker's prefetch thread, inference actors): input features of a mini-batch's nodes.
+
+:func:`reader_for` gives every process the same :class:`FeatureReader` interface:
+
+- one shard (the default): rows are read zero-copy from the node's copy of the
+  whole table (:class:`LocalRows`);
+- ``--feature-shards K`` (:class:`ShardedRows`): rows in the cache or in a shard
+  this node holds are read zero-copy here; the others are asked of their
+  shard's server, one call per (mini-batch, remote shard), all sent before the
+  local rows are copied, so the fetch overlaps the local work and, in the
+  prefetch thread, the training step. This is the one place features are
+  gathered: the servers return only the rows asked for, so each feature byte
+  crosses the network once, and it lands in the prefetch slot's buffer
+  (pinned on a GPU) it is copied to the device from.
+
+float16 storage is widened to float32 while it is copied into the buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from gnnray.data.graph import Graph
+from gnnray.data.shards import ShardedFeatures
+from gnnray.errors import FeatureShardError
+
+
+@dataclass
+class FetchStats:
+    """What a reader's gathers cost (cumulative; :meth:`since` gives an interval's).
+
+    Attributes:
+        batches: Gathers.
+        rows: Rows gathered.
+        cached_rows: Rows read from the cache.
+        local_rows: Rows read from a shard on this node (or the whole table).
+        remote_rows: Rows fetched from other nodes.
+        remote_bytes: Their bytes as stored (what crossed the network).
+        remote_calls: Gather calls to shard servers.
+        wait_s: Time spent waiting for remote rows after the local work.
+    """
+
+    batches: int = 0
+    rows: int = 0
+    cached_rows: int = 0
+    local_rows: int = 0
+    remote_rows: int = 0
+    remote_bytes: int = 0
+    remote_calls: int = 0
+    wait_s: float = 0.0
+
+    def since(self, earlier: "FetchStats") -> "FetchStats":
+        return FetchStats(**{k: v - getattr(earlier, k) for k, v in vars(self).items()})
+
+    def summary(self) -> dict:
+        """Per-batch figures for the metrics line (``metrics.jsonl``)."""
+        b = max(self.batches, 1)
+        return dict(remote_bytes_per_batch=self.remote_bytes / b, remote_calls_per_batch=self.remote_calls / b,
+                    remote_wait_s_per_batch=self.wait_s / b,
+                    cache_hit_rate=self.cached_rows / max(self.rows, 1),
+                    remote_row_share=self.remote_rows / max(self.rows, 1))
+
+
+class FeatureReader:
+    """``gather(ids, out)``: rows ``ids`` of the feature table into ``out`` (float32)."""
+
+    dim: int
+
+    def __init__(self):
+        self._stats = FetchStats()
+
+    def gather(self, ids: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def stats(self) -> FetchStats:
+        """A copy of the cumulative stats (one thread gathers; a copy read meanwhile is off by a batch at most)."""
+        return FetchStats(**vars(self._stats))
+
+
+class LocalRows(FeatureReader):
+    """The whole table on this node's store (``--feature-shards 1``)."""
+
+    def __init__(self, feat: np.ndarray):
+        super().__init__()
+        self._feat, self.dim = feat, int(feat.shape[1])
+
+    def gather(self, ids, out):
+        _take(self._feat, ids, out)
+        s = self._stats
+        s.batches, s.rows, s.local_rows = s.batches + 1, s.rows + len(ids), s.local_rows + len(ids)
+
+
+class ShardedRows(FeatureReader):
+    """A sharded table: the cache and this node's shards read here, the rest fetched from their servers."""
+
+    def __init__(self, handle: ShardedFeatures):
+        import ray
+
+        from gnnray.data.store import write_protected
+
+        super().__init__()
+        self._h, self.dim = handle, handle.dim
+        self._starts = np.array([s.lo for s in handle.shards], dtype=np.int64)
+        node = ray.get_runtime_context().get_node_id()
+        # A shard on this node is a zero-copy read; no process ever gets another node's shard (the whole of it
+        # would be pulled here).
+        self._local = {k: write_protected(ray.get(s.ref[0])) for k, s in enumerate(handle.shards)
+                       if s.node_id == node}
+        self._slot = self._cached = None
+        if handle.cache is not None:
+            cache = ray.get(handle.cache[0])  # pulled to this node once; later processes here read that copy
+            self._slot, self._cached = write_protected(cache["slot"]), write_protected(cache["rows"])
+
+    def gather(self, ids, out):
+        import ray
+        import ray.exceptions
+
+        ids = np.asarray(ids)
+        s, n = self._stats, len(ids)
+        hit = self._slot[ids] >= 0 if self._slot is not None else np.zeros(n, dtype=bool)
+        owner = np.searchsorted(self._starts, ids, side="right") - 1
+        owner[hit] = -1
+        calls, local = [], []
+        for k, shard in enumerate(self._h.shards):
+            mask = owner == k
+            if not mask.any():
+                continue
+            if k in self._local:
+                local.append((k, mask))
+            else:
+                calls.append((k, mask, shard.server.gather.remote(ids[mask] - shard.lo)))
+        if hit.any():
+            _take(self._cached, self._slot[ids[hit]], out, rows=hit)
+        for k, mask in local:
+            _take(self._local[k], ids[mask] - self._h.shards[k].lo, out, rows=mask)
+        start = time.perf_counter()
+        for k, mask, call in calls:
+            shard = self._h.shards[k]
+            try:
+                rows = ray.get(call, timeout=self._h.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise FeatureShardError(f"feature shard {shard.lo}:{shard.hi} on {shard.where()} did not answer "
+                                        f"within {self._h.timeout_s:g}s (--feature-timeout)") from None
+            except ray.exceptions.RayActorError:
+                raise FeatureShardError(f"feature shard {shard.lo}:{shard.hi} on {shard.where()} was lost (its "
+                                        f"server died: node lost?)") from None
+            out[mask] = rows
+            s.remote_bytes += rows.nbytes
+        s.wait_s += time.perf_counter() - start
+        s.batches, s.rows, s.remote_calls = s.batches + 1, s.rows + n, s.remote_calls + len(calls)
+        s.cached_rows += int(hit.sum())
+        s.local_rows += sum(int(m.sum()) for _, m in local)
+        s.remote_rows += sum(int(m.sum()) for _, m, _ in calls)
+
+
+def reader_for(graph: Graph, features: Optional[ShardedFeatures]) -> FeatureReader:
+    """The reader of ``graph``'s features: its own table, or the sharded one its handle names."""
+    return LocalRows(graph.feat) if features is None else ShardedRows(features)
+
+
+def _take(table: np.ndarray, ids: np.ndarray, out: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+    """``out[rows] = table[ids]`` (all of ``out`` without ``rows``), widening float16; no temporary for float32."""
+    if rows is None and table.dtype == out.dtype:
+        np.take(table, ids, axis=0, out=out)
+    elif rows is None:
+        out[:] = np.take(table, ids, axis=0)
+    else:
+        out[rows] = np.take(table, ids, axis=0)

@@ -1,0 +1,157 @@
+"""Sharded features (``--feature-shards``) on three simulated nodes: gathered rows, placement, store bytes.
+
+The reader (``gnnray.pipeline.features``) must return exactly ``feat[ids]``
+whichever way each row arrives: from the node's cache, from a shard on its own
+node, or from another node's shard server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from gnnray.config import DataConfig, JobConfig
+from gnnray.data.load import load_graph
+from gnnray.driver import launch
+from gnnray.pipeline.features import reader_for
+
+CFG = DataConfig(dataset="synthetic", synthetic_nodes=6000, synthetic_feat_dim=24, feature_shards=3,
+                 feature_cache=0.1)
+
+
+@pytest.fixture(scope="module")
+def published(shard_nodes, ray_cluster):
+    """``(float32 publication, float16 publication, the whole table loaded in memory)``."""
+    pub32 = launch.load_and_publish(JobConfig(data=CFG))
+    pub16 = launch.load_and_publish(JobConfig(data=dataclasses.replace(CFG, feature_dtype="float16")))
+    full = load_graph(dataclasses.replace(CFG, feature_shards=1)).feat
+    return pub32, pub16, full
+
+
+def _gather(pub, ids: np.ndarray):
+    reader = reader_for(pub.graph, pub.handle.features)
+    out = np.full((len(ids), pub.handle.feat_dim), np.nan, dtype=np.float32)
+    reader.gather(ids, out)
+    return out, reader.stats()
+
+
+def _id_cases(pub) -> dict:
+    f = pub.handle.features
+    cached = np.flatnonzero(_slot(pub) >= 0)
+    s1 = f.shards[1]
+    uncached_1 = np.setdiff1d(np.arange(s1.lo, s1.hi), cached)
+    rng = np.random.default_rng(0)
+    return {
+        "mixed": rng.integers(0, f.num_rows, 3000),
+        "repeats": np.array([7, 7, 7, f.num_rows - 1, 0, f.num_rows - 1]),
+        "empty": np.zeros(0, dtype=np.int64),
+        "all cached": cached[:50],
+        "all remote": uncached_1[:200],
+        "int32 ids": rng.integers(0, f.num_rows, 500).astype(np.int32),
+    }
+
+
+def _slot(pub) -> np.ndarray:
+    import ray
+
+    return ray.get(pub.handle.features.cache[0])["slot"]
+
+
+def test_gathered_rows_equal_the_table(published):
+    pub, _, full = published
+    for case, ids in _id_cases(pub).items():
+        out, stats = _gather(pub, ids)
+        assert np.array_equal(out, full[ids]), case
+        assert stats.local_rows == 0, case  # the driver's node holds no shard
+        assert stats.cached_rows + stats.remote_rows == len(ids), case
+    out, stats = _gather(pub, _id_cases(pub)["all remote"])
+    assert stats.remote_calls == 1 and stats.cached_rows == 0
+    assert stats.remote_bytes == stats.remote_rows * full.shape[1] * 4
+
+
+def test_rows_of_the_local_shard_are_read_on_its_node(published):
+    """A reader on a shard's node reads that shard's rows there: no remote call, same values."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    pub, _, full = published
+    shard = pub.handle.features.shards[0]
+    ids = np.setdiff1d(np.arange(shard.lo, shard.hi), np.flatnonzero(_slot(pub) >= 0))[:300]
+    ids = np.r_[ids, ids[:5]]
+
+    def gather_there(pub, ids):  # self-contained: the test module is not importable on Ray's workers
+        from gnnray.pipeline.features import reader_for
+
+        reader = reader_for(pub.graph, pub.handle.features)
+        out = np.full((len(ids), pub.handle.feat_dim), np.nan, dtype=np.float32)
+        reader.gather(ids, out)
+        return out, reader.stats()
+
+    out, stats = ray.get(ray.remote(gather_there).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(shard.node_id, soft=False), num_cpus=0).remote(pub, ids),
+        timeout=120)
+    assert np.array_equal(out, full[ids])
+    assert stats.local_rows == len(ids) and stats.remote_calls == 0
+
+
+def test_float16_storage_gives_the_stored_values_as_float32(published):
+    _, pub16, full = published
+    ids = _id_cases(pub16)["mixed"]
+    out, stats = _gather(pub16, ids)
+    assert out.dtype == np.float32
+    assert np.array_equal(out, full[ids].astype(np.float16).astype(np.float32))
+    assert not np.array_equal(out, full[ids])  # really rounded to float16
+    assert stats.remote_bytes == stats.remote_rows * full.shape[1] * 2  # half the bytes on the wire
+
+
+def test_each_shard_lives_on_exactly_its_node(published, shard_nodes):
+    from ray.experimental import get_object_locations
+
+    pub, _, _ = published
+    shards = pub.handle.features.shards
+    assert len({s.node_id for s in shards}) == 3
+    assert {s.node_id for s in shards} == {n.node_id for n in shard_nodes}  # not the driver's node
+    locations = get_object_locations([s.ref[0] for s in shards])
+    for s in shards:
+        assert locations[s.ref[0]]["node_ids"] == [s.node_id]
+
+
+def test_each_node_store_holds_one_shard_not_the_table(published):
+    """Per node, the job's objects are the structure, its shard and the cache; never another node's shard."""
+    from ray.experimental import get_object_locations
+
+    pub, _, full = published
+    f = pub.handle.features
+    refs = {"structure": pub.handle._ref[0], "cache": f.cache[0], **{f"shard{i}": s.ref[0]
+                                                                      for i, s in enumerate(f.shards)}}
+    locations = get_object_locations(list(refs.values()))
+    for i, s in enumerate(f.shards):
+        held = {name for name, ref in refs.items() if s.node_id in locations[ref]["node_ids"]}
+        assert f"shard{i}" in held and held <= {"structure", "cache", f"shard{i}"}, (i, held)
+        feature_bytes = sum(locations[refs[name]]["object_size"] for name in held if name != "structure")
+        # A third of the table, plus the cache's 10% of rows and its int32 slot per node (object headers aside).
+        assert feature_bytes < full.nbytes * (1 / 3 + 0.1) + 4 * full.shape[0] + 4096, (i, feature_bytes)
+
+
+def test_bad_rows_in_a_shard_name_the_file(shard_nodes, tmp_path):
+    """A NaN found by the shard task on its node is the user's DatasetError, naming the file and column."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gnnray.errors import DatasetError
+
+    n = 40
+    feat = np.ones((n, 3), dtype=np.float32)
+    feat[33, 1] = np.nan
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"src": rng.integers(0, n, 100), "dst": rng.integers(0, n, 100)}),
+                   tmp_path / "edges.parquet")
+    split = np.array(["train"] * 20 + ["valid"] * 10 + ["test"] * 10)
+    pq.write_table(pa.table({"id": np.arange(n), "label": np.arange(n) % 2, "split": split,
+                             "feat": pa.FixedSizeListArray.from_arrays(pa.array(feat.ravel()), 3)}),
+                   tmp_path / "nodes.parquet")
+    (tmp_path / "meta.json").write_text('{"num_nodes": 40, "num_classes": 2}')
+    with pytest.raises(DatasetError, match=r"nodes.parquet: column 'feat'.*1 feature rows contain NaN.*node 33"):
+        launch.load_and_publish(JobConfig(data=DataConfig(dataset=str(tmp_path), feature_shards=2)))
