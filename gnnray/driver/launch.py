@@ -19,8 +19,9 @@ from gnnray.data.store import GraphHandle
 from gnnray.driver import console, preflight
 from gnnray.errors import ClusterError
 
-# How long an autoscaling cluster may take to add the nodes the feature shards need.
+# How long an autoscaling cluster may take to add the nodes the feature shards need, and how often to look.
 AUTOSCALE_WAIT_S = 900
+AUTOSCALE_POLL_S = 10.0
 _RAY_DEPRECATION = "`ExecutionOptions.exclude_resources` is deprecated"
 
 
@@ -153,9 +154,9 @@ def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes:
             if local or not preflight.autoscaling() or time.monotonic() > deadline:
                 raise
             if not said:
-                console.say(f"waiting up to {AUTOSCALE_WAIT_S // 60} min for the autoscaler to add nodes: {e}")
+                console.say(f"waiting up to {AUTOSCALE_WAIT_S / 60:.0f} min for the autoscaler to add nodes: {e}")
                 said = True
-            time.sleep(10)
+            time.sleep(AUTOSCALE_POLL_S)
 
 
 def rebuild_lost_shards(pub: Published) -> Published:

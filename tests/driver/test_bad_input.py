@@ -233,6 +233,23 @@ def test_autoscaling_cluster_waits_instead(ray_cluster, monkeypatch, capsys):
     assert "waiting for the autoscaler" in capsys.readouterr().out
 
 
+def test_more_feature_shards_than_nodes(ray_cluster, monkeypatch, capsys):
+    """--feature-shards K past the nodes that fit: a fixed cluster stops at once; an autoscaling one waits, says
+    so, and gives up with the same error after its wait."""
+    from gnnray.driver import launch
+
+    cfg = parse_args(["--feature-shards", "2"])
+    with pytest.raises(ClusterError, match=r"--feature-shards 2: .* 1 of the cluster's 1 nodes can hold that"):
+        launch._shard_nodes(cfg, False, 2**20, 2**20, 0)
+    assert "waiting" not in capsys.readouterr().out
+    monkeypatch.setattr(cluster, "autoscaling", lambda: True)
+    monkeypatch.setattr(launch, "AUTOSCALE_WAIT_S", 1)
+    monkeypatch.setattr(launch, "AUTOSCALE_POLL_S", 0.2)
+    with pytest.raises(ClusterError, match=r"--feature-shards 2"):
+        launch._shard_nodes(cfg, False, 2**20, 2**20, 0)
+    assert "waiting up to 0 min for the autoscaler to add nodes: --feature-shards 2" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- drill 9: object store too small
 
 def test_object_store_check_names_sizes_and_setting():
