@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from gnnray.data.features import FeatureSource
 from gnnray.data.graph import SPLITS, GraphParts, check_ids
 from gnnray.errors import DatasetError
 
@@ -33,8 +34,13 @@ HELP = ("a graph directory needs edges.parquet (int64 columns src, dst), nodes.p
 
 
 
-def read_graph_dir(path: Path) -> GraphParts:
-    """Read a graph directory (see the module docstring)."""
+def read_graph_dir(path: Path, feat_on_nodes: bool = False) -> GraphParts:
+    """Read a graph directory (see the module docstring).
+
+    With ``feat_on_nodes`` (``--feature-shards K > 1``) an untyped graph's
+    ``feat`` column is not read here: the features are a :class:`ParquetRows`
+    source, which each shard's node reads for its own rows.
+    """
     missing = [f for f in ("edges.parquet", "nodes.parquet", "meta.json") if not (path / f).is_file()]
     if missing:
         raise DatasetError(f"{path}: missing {', '.join(missing)}; {HELP}")
@@ -51,9 +57,10 @@ def read_graph_dir(path: Path) -> GraphParts:
         raise DatasetError(f"{edges_file}: {src.size} rows but {path / 'meta.json'} says num_edges is "
                            f"{meta['num_edges']}; fix one of them")
 
+    lazy = feat_on_nodes and not typed and _has_column(nodes_file, "feat")
     nodes = _read_parquet(nodes_file, {"id": _INT, "label": _INT, "split": _STR, "feat": _FEAT,
                                        **({"type": _TYPE} if typed else {})},
-                          optional=("feat",), nullable=("feat",) if typed else ())
+                          optional=("feat",), nullable=("feat",) if typed else (), skip=("feat",) if lazy else ())
     ids = _int_column(nodes, "id")
     if ids.size != n:
         raise DatasetError(f"{nodes_file}: column 'id' has {ids.size} rows but meta.json num_nodes is {n}; "
@@ -87,7 +94,9 @@ def read_graph_dir(path: Path) -> GraphParts:
         label = label[row_of]
         feat = None if feat is None else feat[row_of]
         has_feat = None if has_feat is None else has_feat[row_of]
-    feat_dim = 0 if feat is None else feat.shape[1]
+    if lazy:
+        feat = ParquetRows(str(nodes_file), n)
+    feat_dim = 0 if feat is None else feat.shape[1] if isinstance(feat, np.ndarray) else feat.dim
     if meta.get("feat_dim", feat_dim) != feat_dim:
         raise DatasetError(f"{nodes_file}: column 'feat' has dimension {feat_dim} but meta.json says feat_dim "
                            f"is {meta['feat_dim']}; fix one of them")
@@ -219,8 +228,9 @@ _FEAT = (_is_feat, "a fixed-size list of float32 (one feature vector per node)")
 _TYPE = (_is_str, "a string column (the node type, or the edge's relation, of a typed graph)")
 
 
-def _read_parquet(file: Path, columns: dict, optional: tuple = (), nullable: tuple = ()) -> pa.Table:
-    """Read ``columns`` of a Parquet file after checking their types in its schema."""
+def _read_parquet(file: Path, columns: dict, optional: tuple = (), nullable: tuple = (),
+                  skip: tuple = ()) -> pa.Table:
+    """Read ``columns`` of a Parquet file after checking their types in its schema (``skip``: checked, not read)."""
     try:
         schema = pq.read_schema(file)
     except (pa.ArrowException, OSError) as exc:
@@ -233,7 +243,7 @@ def _read_parquet(file: Path, columns: dict, optional: tuple = (), nullable: tup
             raise DatasetError(f"{file}: no column {column!r} (it has {schema.names}); expected {expected}")
         if not accepts(schema.field(column).type):
             raise DatasetError(f"{file}: column {column!r} has type {schema.field(column).type}, expected {expected}")
-    present = [c for c in columns if c in schema.names]
+    present = [c for c in columns if c in schema.names and c not in skip]
     try:
         table = pq.read_table(file, columns=present)
     except (pa.ArrowException, OSError) as exc:
@@ -272,3 +282,45 @@ def _feat_column(table, file: Path) -> tuple[np.ndarray, np.ndarray]:
     feat[has] = values.reshape(-1, dim)
     return feat, has
 
+
+class ParquetRows(FeatureSource):
+    """An untyped graph directory's ``feat`` column, read on the node that asks, a row group at a time.
+
+    Rows may be in any id order: each batch's rows whose ``id`` falls in the
+    range asked for are placed by id. Memory: the range's rows plus one batch.
+    """
+
+    BATCH_ROWS = 1 << 16
+
+    def __init__(self, path: str, num_rows: int):
+        self.path, self.num_rows = path, num_rows
+        t = pq.read_schema(path).field("feat").type
+        if not pa.types.is_fixed_size_list(t):
+            raise DatasetError(f"{path}: column 'feat' has type {t}; an untyped graph needs a fixed-size list of "
+                               f"float32 (one feature vector per node)")
+        self.dim, self.dtype = t.list_size, np.dtype(t.value_type.to_pandas_dtype())
+        self.where = f"{path}: column 'feat'"
+
+    def rows(self, lo, hi, label=None):
+        out = np.zeros((hi - lo, self.dim), dtype=self.dtype)
+        found = 0
+        try:
+            batches = pq.ParquetFile(self.path).iter_batches(batch_size=self.BATCH_ROWS, columns=["id", "feat"])
+            for batch in batches:
+                ids = batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+                keep = (ids >= lo) & (ids < hi)
+                if not keep.any():
+                    continue
+                col = batch.column(1).filter(pa.array(keep))
+                if col.null_count:
+                    raise DatasetError(f"{self.where} has null values; fill them, or make it a typed graph (a "
+                                       f"column 'type') whose featureless nodes get their neighbors' mean")
+                out[ids[keep] - lo] = col.flatten().to_numpy(zero_copy_only=False).reshape(-1, self.dim)
+                found += int(keep.sum())
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"{self.path}: cannot read it on this node ({exc}); every node that holds a feature "
+                               f"shard needs the graph directory at this path (shared storage, or a copy)") from None
+        if found != hi - lo:  # ids were checked unique and complete on the driver: the file changed since
+            raise DatasetError(f"{self.path}: found {found} rows for ids {lo}..{hi - 1}, expected {hi - lo}; was "
+                               f"the file changed while the job ran?")
+        return out

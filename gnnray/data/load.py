@@ -74,7 +74,7 @@ def load_structure(cfg: DataConfig, seed: int = 0) -> tuple[Graph, FeatureSource
                 f"graph directory "
                 f"({graph_dir.HELP})")
         source = str(path)
-        parts = graph_dir.read_graph_dir(path)
+        parts = graph_dir.read_graph_dir(path, feat_on_nodes=cfg.feature_shards > 1)
 
     feat = _features(parts, cfg, source, seed)
     if cfg.random_features > 0:

@@ -135,23 +135,47 @@ def test_each_node_store_holds_one_shard_not_the_table(published):
         assert feature_bytes < full.nbytes * (1 / 3 + 0.1) + 4 * full.shape[0] + 4096, (i, feature_bytes)
 
 
-def test_bad_rows_in_a_shard_name_the_file(shard_nodes, tmp_path):
-    """A NaN found by the shard task on its node is the user's DatasetError, naming the file and column."""
+def _graph_dir(path, feat: np.ndarray, order: np.ndarray) -> None:
+    """A graph directory whose nodes.parquet lists the nodes in ``order``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    n, d = feat.shape
+    rng = np.random.default_rng(0)
+    pq.write_table(pa.table({"src": rng.integers(0, n, 4 * n), "dst": rng.integers(0, n, 4 * n)}),
+                   path / "edges.parquet")
+    split = np.array(["train", "valid", "test", "none"])[np.arange(n) % 4]
+    pq.write_table(pa.table({"id": order, "label": order % 2, "split": split[order],
+                             "feat": pa.FixedSizeListArray.from_arrays(pa.array(feat[order].ravel()), d)}),
+                   path / "nodes.parquet", row_group_size=97)
+    (path / "meta.json").write_text(f'{{"num_nodes": {n}, "num_classes": 2}}')
+
+
+def test_graph_directory_shards_are_read_on_their_nodes(shard_nodes, tmp_path):
+    """Each shard node reads its rows of nodes.parquet itself (rows in any id order); the driver reads none."""
+    import pickle
+
+    from gnnray.data import graph_dir
+
+    n = 3000
+    feat = np.random.default_rng(1).standard_normal((n, 5)).astype(np.float32)
+    _graph_dir(tmp_path, feat, np.random.default_rng(2).permutation(n))
+    cfg = DataConfig(dataset=str(tmp_path), feature_shards=3)
+    pub = launch.load_and_publish(JobConfig(data=cfg))
+    assert isinstance(pub.source, graph_dir.ParquetRows) and len(pickle.dumps(pub.source)) < 1000
+    ids = np.random.default_rng(3).integers(0, n, 2000)
+    out, _ = _gather(pub, ids)
+    assert np.array_equal(out, feat[ids])
+    assert np.array_equal(load_graph(dataclasses.replace(cfg, feature_shards=1)).feat, feat)
+
+
+def test_bad_rows_in_a_shard_name_the_file(shard_nodes, tmp_path):
+    """A NaN found by the shard task on its node is the user's DatasetError, naming the file and column."""
     from gnnray.errors import DatasetError
 
     n = 40
     feat = np.ones((n, 3), dtype=np.float32)
     feat[33, 1] = np.nan
-    rng = np.random.default_rng(0)
-    pq.write_table(pa.table({"src": rng.integers(0, n, 100), "dst": rng.integers(0, n, 100)}),
-                   tmp_path / "edges.parquet")
-    split = np.array(["train"] * 20 + ["valid"] * 10 + ["test"] * 10)
-    pq.write_table(pa.table({"id": np.arange(n), "label": np.arange(n) % 2, "split": split,
-                             "feat": pa.FixedSizeListArray.from_arrays(pa.array(feat.ravel()), 3)}),
-                   tmp_path / "nodes.parquet")
-    (tmp_path / "meta.json").write_text('{"num_nodes": 40, "num_classes": 2}')
+    _graph_dir(tmp_path, feat, np.arange(n))
     with pytest.raises(DatasetError, match=r"nodes.parquet: column 'feat'.*1 feature rows contain NaN.*node 33"):
         launch.load_and_publish(JobConfig(data=DataConfig(dataset=str(tmp_path), feature_shards=2)))
