@@ -121,6 +121,9 @@ class ShardedRows(FeatureReader):
 
         ids = np.asarray(ids)
         s, n = self._stats, len(ids)
+        if self.dim == 0:  # no features (--embedding-dim alone): nothing to fetch
+            s.batches, s.rows = s.batches + 1, s.rows + n
+            return
         hit = self._slot[ids] >= 0 if self._slot is not None else np.zeros(n, dtype=bool)
         owner = np.searchsorted(self._starts, ids, side="right") - 1
         owner[hit] = -1
