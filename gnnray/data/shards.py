@@ -83,7 +83,7 @@ class ShardedFeatures:
 
     @property
     def shard_bytes(self) -> int:
-        return max((s.hi - s.lo) for s in self.shards) * self.dim * np.dtype(self.dtype).itemsize
+        return shard_nbytes(self.num_rows, self.dim, self.dtype, len(self.shards))
 
 
 class ShardServer:
@@ -262,6 +262,11 @@ def _build_cache(handle: ShardedFeatures, indptr: np.ndarray, fraction: float) -
     slot = np.full(handle.num_rows, -1, dtype=np.int32)
     slot[ids] = np.arange(ids.size, dtype=np.int32)
     return [ray.put({"slot": slot, "rows": rows})]
+
+
+def shard_nbytes(num_rows: int, dim: int, dtype: str, k: int) -> int:
+    """Bytes of the largest of ``k`` shards (:func:`shard_bounds`)."""
+    return int(np.diff(shard_bounds(num_rows, k)).max()) * dim * np.dtype(dtype).itemsize
 
 
 def cache_nbytes(num_rows: int, dim: int, dtype: str, fraction: float) -> int:

@@ -125,7 +125,7 @@ def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource) -> Pub
     table = source.num_rows * source.dim * np.dtype(d.feature_dtype).itemsize
     console.say(console.graph_line(graph, source.dim, table))
     local = init_ray(cfg)
-    shard_bytes = -(-source.num_rows // d.feature_shards) * source.dim * np.dtype(d.feature_dtype).itemsize
+    shard_bytes = shards.shard_nbytes(source.num_rows, source.dim, d.feature_dtype, d.feature_shards)
     cache_bytes = shards.cache_nbytes(source.num_rows, source.dim, d.feature_dtype, d.feature_cache)
     nodes = _shard_nodes(cfg, local, graph.nbytes, shard_bytes, cache_bytes)
     handle = publish(graph)
