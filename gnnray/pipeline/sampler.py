@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import ray
 import torch
 
+from gnnray.cpus import CpuPolicy
 from gnnray.pipeline.batch import Layer, MiniBatch, id_dtype, to_arrow
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle, to_dgl
@@ -113,11 +116,15 @@ class SamplerActor:
         fanouts: Neighbors per layer, input layer first.
         plan: Which seeds each row number stands for.
         run: Run name that tags the actor's metrics (:class:`gnnray.metrics.SamplerMetrics`).
+        cpu: The job's CPU plan (:mod:`gnnray.cpus`); ``None`` leaves Ray's defaults.
     """
 
-    def __init__(self, graph: GraphHandle, fanouts: tuple[int, ...], plan: SeedPlan, run: str = "gnnray"):
+    def __init__(self, graph: GraphHandle, fanouts: tuple[int, ...], plan: SeedPlan, run: str = "gnnray",
+                 cpu: Optional[CpuPolicy] = None):
         from gnnray.metrics import SamplerMetrics
 
+        if cpu is not None:  # before the first sampling call: DGL's thread pool starts there
+            self.cpu = cpu.apply_sampler(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
         self._sampler = Sampler(graph.get(), fanouts)
         self._seeds = SeedReader(plan)
         self._metrics = SamplerMetrics(run)

@@ -87,8 +87,19 @@ class SeedReader:
         return epoch, self._batches[row % self._plan.rows_per_epoch]
 
 
-def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int, rows_per_block: int = ROWS_PER_BLOCK):
-    """Return the Ray Data dataset of row numbers for epochs ``first_epoch .. num_epochs - 1``.
+def block_rows(plan: SeedPlan, first_epoch: int, num_epochs: int) -> int:
+    """Rows per seed block of the stream for epochs ``first_epoch .. num_epochs - 1``.
+
+    :data:`ROWS_PER_BLOCK`, or more for a run so long that it would need
+    more than :data:`_MAX_BLOCKS` blocks. The read-ahead limit is computed
+    from this same number (:func:`gnnray.pipeline.stream.read_ahead_rows`).
+    """
+    return max(ROWS_PER_BLOCK, math.ceil((num_epochs - first_epoch) * plan.rows_per_epoch / _MAX_BLOCKS))
+
+
+def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int):
+    """Return the Ray Data dataset of row numbers for epochs ``first_epoch .. num_epochs - 1``, in blocks of
+    :func:`block_rows` rows.
 
     Raises:
         ValueError: ``first_epoch`` is not before ``num_epochs``.
@@ -99,6 +110,6 @@ def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int, rows_per_blo
     if not 0 <= first_epoch < num_epochs:
         raise ValueError(f"first_epoch {first_epoch} must be in [0, {num_epochs})")
     rows = np.arange(first_epoch * plan.rows_per_epoch, num_epochs * plan.rows_per_epoch, dtype=np.int64)
-    per_block = max(rows_per_block, math.ceil(len(rows) / _MAX_BLOCKS))
+    per_block = block_rows(plan, first_epoch, num_epochs)
     # from_blocks, not from_arrow: from_arrow runs a Ray task per block to read its metadata.
     return ray.data.from_blocks([pa.table({"row": rows[i:i + per_block]}) for i in range(0, len(rows), per_block)])

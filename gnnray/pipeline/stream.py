@@ -3,59 +3,80 @@
 Seed rows (:mod:`.seeds`) are mapped by a pool of sampler actors
 (:class:`~gnnray.pipeline.sampler.SamplerActor`) that runs at most
 ``--max-ahead`` batches per worker ahead (:mod:`.read_ahead`); Ray Train
-splits the output equally over the ranks, in order.
+splits the output equally over the ranks, in order. The seed blocks keep
+their size whatever the bound (Ray Data's work per sampler call is spread
+over a block's rows); the bound is then computed from that size.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 from gnnray.config import JobConfig
+from gnnray.cpus import CpuPolicy
+from gnnray.errors import ConfigError
 from gnnray.data.store import GraphHandle
 from gnnray.pipeline.seeds import SeedPlan
 
 
-def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_epoch: int, actor_cls=None):
+def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_epoch: int, actor_cls=None,
+                     cpu: Optional[CpuPolicy] = None):
     """The dataset of packed mini-batches for epochs ``first_epoch .. cfg.train.epochs - 1``.
 
     ``actor_cls`` replaces :class:`~gnnray.pipeline.sampler.SamplerActor`
-    (a subclass that records what it samples, in tests and the benchmark).
+    (a subclass that records what it samples, in tests and the benchmark);
+    ``cpu`` is the job's CPU plan, which each actor applies to itself.
+
+    Raises:
+        ConfigError: ``--max-ahead`` is too small for the stream (:func:`read_ahead_rows`).
     """
     import ray.data
 
     from gnnray.pipeline.read_ahead import bound_read_ahead
     from gnnray.pipeline.sampler import SamplerActor
-    from gnnray.pipeline.seeds import seed_dataset
+    from gnnray.pipeline.seeds import block_rows, seed_dataset
 
     actor_cls = actor_cls or SamplerActor
-
-    block = seed_block_rows(cfg)
-    seeds = seed_dataset(plan, first_epoch, cfg.train.epochs, block)
-    ds = seeds.map_batches(
+    limit = read_ahead_rows(cfg, block_rows(plan, first_epoch, cfg.train.epochs))
+    ds = seed_dataset(plan, first_epoch, cfg.train.epochs).map_batches(
         actor_cls,
-        fn_constructor_kwargs=dict(graph=graph, fanouts=cfg.sampler.fanouts, plan=plan, run=cfg.run.name),
+        fn_constructor_kwargs=dict(graph=graph, fanouts=cfg.sampler.fanouts, plan=plan, run=cfg.run.name, cpu=cpu),
         batch_size=None,  # a whole seed block per call (see SamplerActor)
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=cfg.sampler.actors_min, max_size=cfg.sampler.actors_max),
         num_cpus=cfg.sampler.cpus_per_actor,
     )
-    # Each worker's split iterator holds up to two blocks beyond the rows it
-    # has yielded (the one it fetches ahead, the one being read): they count
-    # against the limit, so at most max_ahead x workers + one block are ahead.
-    limit = cfg.sampler.max_ahead * cfg.train.num_workers - 2 * cfg.train.num_workers * block
     bound_read_ahead(ds, f"MapBatches({actor_cls.__name__})", limit)  # Ray Data's name of the operator
     return ds
 
 
-def seed_block_rows(cfg: JobConfig) -> int:
-    """Rows (mini-batches) per seed block, i.e. per sampler call.
+def read_ahead_rows(cfg: JobConfig, block: int) -> int:
+    """The read-ahead policy's limit: rows the sampler pool may have taken beyond what the split handed out.
 
-    As many as :data:`~gnnray.pipeline.seeds.ROWS_PER_BLOCK`, but small enough
-    that the read-ahead limit, less the blocks the workers' iterators hold,
-    still gives every actor a block to sample.
+    ``--max-ahead`` counts every mini-batch sampled ahead of a worker's step,
+    so the limit is ``--max-ahead`` x workers less the two seed blocks of
+    ``block`` rows each worker's split iterator holds (the one it reads, the
+    one it fetches next). The least that works (``--max-ahead`` auto) leaves
+    the policy one block per worker and one per sampler actor: Ray Train's
+    equal split hands a block out only once it holds about one for every
+    worker, and each actor needs room for the block it samples. Below that the
+    stream moves only by Ray Data's liveness guard, one block at a time.
+
+    Raises:
+        ConfigError: ``--max-ahead`` is set below that least.
     """
-    from gnnray.pipeline.seeds import ROWS_PER_BLOCK
-
-    workers, limit = cfg.train.num_workers, cfg.sampler.max_ahead * cfg.train.num_workers
-    return max(1, min(ROWS_PER_BLOCK, limit // (cfg.sampler.actors_max + 2 * workers)))
+    workers, held = cfg.train.num_workers, 2 * cfg.train.num_workers * block
+    least = held + (workers + cfg.sampler.actors_max) * block
+    total = least if cfg.sampler.max_ahead is None else cfg.sampler.max_ahead * workers
+    if total < least:
+        raise ConfigError(
+            f"--max-ahead {cfg.sampler.max_ahead}: with {workers} train worker(s), up to "
+            f"{cfg.sampler.actors_max} sampler actor(s) and {block}-row seed blocks, the stream needs at least "
+            f"{math.ceil(least / workers)} mini-batches ahead of each worker (two blocks in each worker's "
+            f"iterator, one per worker for the equal split, one per actor to sample); raise --max-ahead, leave it "
+            f"at auto, or use fewer --sampler-actors")
+    return total - held
 
 
 def execution_options():
