@@ -120,8 +120,10 @@ class SamplerConfig(_Options):
                                      check=lambda a: len(a) in (1, 2) and 1 <= a[0] <= a[-1],
                                      need="expected MIN,MAX with 1 <= MIN <= MAX, or a single number")
     cpus_per_actor: float = option(1.0, "CPUs per sampler actor", flag="--cpus-per-sampler", **POSITIVE)
-    max_ahead: int = option(16, "mini-batches the sampler pool may run ahead of each train worker (bounds the "
-                            "object store memory that sampled batches take)", **at_least(1))
+    max_ahead: Optional[int] = option(None, "mini-batches the sampler pool may run ahead of each train worker "
+                                      "(bounds the object store memory that sampled batches take; auto: the "
+                                      "least that keeps every sampler actor busy: 16-row seed blocks, three per "
+                                      "worker and one per actor; less is refused)", **at_least(1))
 
     @property
     def num_layers(self) -> int:
@@ -167,6 +169,11 @@ class TrainConfig(_Options):
     inference_batch_size: int = option(10_000, "nodes per chunk of layer-wise inference", **at_least(1))
     embedding_lr: Optional[float] = option(None, "SparseAdam learning rate of --embedding-dim embeddings "
                                            "(auto: --lr)", **POSITIVE)
+    cpu_plan: str = option("on", "threads, cores and priority of the job's processes from each node's real "
+                           "cores (gnnray/cpus.py; printed at start); off leaves Ray's defaults (threads from "
+                           "--cpus-per-worker)", choices=("on", "off"))
+    trainer_threads: int = option(0, "torch and DGL threads per train worker, overriding the CPU plan's (0: from "
+                                  "the plan)", **at_least(0))
 
 
 @dataclass(frozen=True)
