@@ -26,6 +26,7 @@ from gnnray.data.store import publish
 from gnnray.driver.console import graph_line
 
 # The order; the sharding section (--sharding) runs alone.
+STAGES = ("sampler", "training", "fast", "memory", "gpu", "wall")
 ORDER = ("data-wait", "sampler", "training", wall.FIGURE, "memory", "GPU", sharding.FIGURE, "setup", "")
 
 
@@ -48,8 +49,13 @@ def parse_args(argv=None):
                    help="run only the --feature-shards section, on a simulated cluster of 4 nodes (bench/sharding.py), "
                    "instead of the figures above; --json then defaults to "
                    f"{DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME}")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help="comma-separated stages to run, of " + ", ".join(STAGES))
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
     args = p.parse_args(argv)
+    args.stages = set(args.stages.split(","))
+    if args.stages - set(STAGES):
+        p.error(f"--stages: unknown {', '.join(sorted(args.stages - set(STAGES)))}; choose from {', '.join(STAGES)}")
     if args.sharding and args.json == str(DEFAULT_JSON):
         args.json = str(DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME)
     return args
@@ -65,7 +71,7 @@ def settings_for(args) -> Settings:
     if args.quick:
         s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
                                 baseline_warmup=2, baseline_steps=18, memory_batches=2, fast_epochs=3,
-                                wall_epochs=(1, 2))
+                                wall_epochs=(1, 3))
     return s
 
 
@@ -96,17 +102,24 @@ def run_figures(args, s: Settings, workdir: Path, result: dict, rows: list[Row])
                           fast_trainer_config=dataclasses.asdict(full_data), fast_trainer_train=len(full_train_idx))
     print(f"{graph_line(graph)}; {s.cores} cores, {result['mode']} mode", flush=True)
     start_ray(s, args.verbose)
+    want = args.stages.__contains__
     try:
         handle = publish(graph)
-        rows += guarded(ONE_ACTOR, TARGET, lambda: bench_sampler(graph, handle, full_train_idx, s))
-        rows += guarded(THROUGHPUT_FIGURE, "", lambda: bench_training(data, graph, s, workdir))
-        rows += guarded("training, fast trainer", "", lambda: bench_fast_trainer(full_data, graph, s, workdir))
-        rows += guarded(memory.FIGURE, memory.TARGET, lambda: memory.bench_memory(graph, handle, s))
-        rows += guarded(gpu.FIGURE, gpu.TARGET, lambda: gpu.bench_gpu(s))
+        if want("sampler"):
+            rows += guarded(ONE_ACTOR, TARGET, lambda: bench_sampler(graph, handle, full_train_idx, s))
+        if want("training"):
+            rows += guarded(THROUGHPUT_FIGURE, "", lambda: bench_training(data, graph, s, workdir))
+        if want("fast"):
+            rows += guarded("training, fast trainer", "", lambda: bench_fast_trainer(full_data, graph, s, workdir))
+        if want("memory"):
+            rows += guarded(memory.FIGURE, memory.TARGET, lambda: memory.bench_memory(graph, handle, s))
+        if want("gpu"):
+            rows += guarded(gpu.FIGURE, gpu.TARGET, lambda: gpu.bench_gpu(s))
     finally:
         ray.shutdown()
     # Whole runs start their own Ray cluster, as a user's run does: after this one is gone.
-    rows += guarded(wall.FIGURE, "", lambda: wall.bench_wall(data, s, workdir, wall.faster_loader(rows)))
+    if want("wall"):
+        rows += guarded(wall.FIGURE, "", lambda: wall.bench_wall(data, s, workdir, len(graph.train_idx)))
 
 
 def main(argv=None) -> int:
@@ -130,12 +143,15 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     rows.sort(key=lambda r: next(i for i, key in enumerate(ORDER) if r.figure.startswith(key)))  # stable
-    wall = time.perf_counter() - started
-    result.update(rows=[dataclasses.asdict(r) for r in rows], wall_s=wall, load_avg_end=os.getloadavg())
+    took = time.perf_counter() - started
+    result.update(rows=[dataclasses.asdict(r) for r in rows], wall_s=took, load_avg_end=os.getloadavg())
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\n{result['mode']} mode, {date}, {s.cores} cores, load average {os.getloadavg()[0]:.1f}, "
-          f"{wall:.0f} s; all numbers in {out}\n")
+          f"{took:.0f} s; all numbers in {out}\n")
     print(format_table(rows), flush=True)
+    steady = next((r.detail["all"] for r in rows if "all" in r.detail), {})
+    if steady:
+        print("\nWhere the CPU goes (bench/cpu.py):\n" + wall.process_table(steady), flush=True)
     return 1 if any(r.met == "error" for r in rows) else 0

@@ -47,8 +47,8 @@ class Settings:
     fast_fanouts: tuple = (15, 10)
     fast_hidden: int = 32
     fast_epochs: int = 4  # at least 3, as epochs
-    # Wall time of whole runs (wall.py): a short and a longer run, start-up included.
-    wall_epochs: tuple = (2, 6)
+    # Whole runs (wall.py): a short and a longer run of every configuration; their difference is steady state.
+    wall_epochs: tuple = (1, 4)
     # Figure 4: batches each probe process samples before it is measured.
     memory_batches: int = 4
     memory_processes: tuple = (1, 2, 4)
@@ -81,8 +81,9 @@ def job_config(data: DataConfig, s: Settings, workdir: Path, name: str = "bench"
                               cpus_per_actor=1.0, max_ahead=s.max_ahead),
         model=ModelConfig(hidden=s.hidden, dropout=s.dropout),
         # Sampled final accuracies, as the DGL loop computes them: no layer-wise inference pass after training.
-        train=TrainConfig(epochs=s.epochs, lr=s.lr, num_workers=s.workers, cpus_per_worker=float(s.trainer_cpus),
-                          use_gpu=torch.cuda.is_available(), eval="sampled"),
+        # Threads come from the job's CPU plan (gnnray/cpus.py), as in a user's run with default options.
+        train=TrainConfig(epochs=s.epochs, lr=s.lr, num_workers=s.workers, use_gpu=torch.cuda.is_available(),
+                          eval="sampled"),
         run=RunConfig(name=name, storage_path=str(workdir / "runs"), max_failures=0, seed=s.seed),
     )
 
@@ -188,6 +189,7 @@ def start_ray(s: Settings, verbose: bool) -> None:
     import ray.data
 
     import bench
+    from gnnray import cpus
     from gnnray.driver.console import quiet_ray
 
     # Ship the bench's actors and tasks by value: workers need not find this folder on their path.
@@ -197,6 +199,6 @@ def start_ray(s: Settings, verbose: bool) -> None:
     # (served by it) whether the controller lives, and without it tears the
     # workers down mid-run ("A worker health check failed").
     ray.init(address="local", num_cpus=need, log_to_driver=verbose,
-             runtime_env={"env_vars": {"DGLBACKEND": "pytorch"}})
+             runtime_env={"env_vars": {"DGLBACKEND": "pytorch", **cpus.JOB_ENV}})  # as the job's own cluster
     quiet_ray(verbose)
     ray.data.DataContext.get_current().enable_progress_bars = False

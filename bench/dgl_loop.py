@@ -8,7 +8,9 @@ the same fanouts), the last one with a sampled test pass, as the job's
 ``--eval sampled``. Two loaders users pick:
 
 - ``num_workers=0``: sampling in the training process, between steps.
-- ``num_workers=1``: DGL forks one sampling process per pass over the loader
+- ``num_workers=1`` (optionally inside DGL's ``enable_cpu_affinity()``, which
+  pins the sampling process and the training process's threads to cores of
+  their own): DGL forks one sampling process per pass over the loader
   (not persistent: DGL's default), which samples the next batches while the
   training process computes. It works on the CSC-only graph of ``to_dgl``
   (the fork inherits the graph's pages; its sampler needs only CSC). Its CPU
@@ -23,6 +25,7 @@ prints one line per epoch and then ``RESULT`` and its numbers as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -42,13 +45,13 @@ RESULT = "RESULT "
 class DglLoop:
     """Graph, model, optimizer and loaders of the DGL loop; :meth:`steps` and :meth:`epoch` train."""
 
-    def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int):
+    def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int, affinity: bool = False):
         import torch
 
         from gnnray.data.store import readonly_tensor, to_dgl
         from gnnray.train.model import model_for
 
-        self._graph, self._cfg, self._workers = graph, cfg, loader_workers
+        self._graph, self._cfg, self._workers, self._affinity = graph, cfg, loader_workers, affinity
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # int64 structure, as DGL users load graphs (and DGL 2.1's fused sampler is wrong on int32 ones with
         # more than one thread; gnnray's Sampler works around it).
@@ -71,7 +74,9 @@ class DglLoop:
                                           num_workers=self._workers)
 
     def _batches(self, loader) -> Iterator:
-        with warnings.catch_warnings():  # asks for CPU affinity, which the DGL tutorials do not set
+        with warnings.catch_warnings(), (loader.enable_cpu_affinity() if self._affinity
+                                         else contextlib.nullcontext()):
+            # Without affinity DGL asks for it (the tutorials do not set it): hidden.
             warnings.filterwarnings("ignore", message=".*CPU affinity")
             for input_nodes, output_nodes, blocks in loader:
                 yield (self._feat[input_nodes].to(self.device), self._label[output_nodes].to(self.device),
@@ -138,14 +143,14 @@ def dgl_baseline(graph: Graph, cfg: JobConfig, cores: int, loader_workers: int, 
                 loader_workers=loader_workers, device=str(loop.device), cpu_share=cpu / elapsed / cores)
 
 
-def end_to_end(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
+def end_to_end(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool = False) -> dict:
     """A whole run of ``cfg.train.epochs`` epochs: load the graph, build, train, validate each epoch, test."""
     from bench.common import threads
     from gnnray.data.load import load_graph
 
     start = time.perf_counter()
     with threads(cores):
-        loop = DglLoop(load_graph(cfg.data, cfg.run.seed), cfg, loader_workers)
+        loop = DglLoop(load_graph(cfg.data, cfg.run.seed), cfg, loader_workers, affinity)
         ready, epochs, best = time.perf_counter() - start, [], 0.0
         for epoch in range(cfg.train.epochs):
             m = dict(epoch=epoch, **loop.epoch(), val_acc=loop.accuracy("valid"))
@@ -155,14 +160,14 @@ def end_to_end(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
                 m["test_acc"] = loop.accuracy("test")
             print(" ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
             epochs.append(m)
-    return dict(epochs=epochs, ready_s=ready, loader_workers=loader_workers, threads=cores)
+    return dict(epochs=epochs, ready_s=ready, loader_workers=loader_workers, affinity=affinity, threads=cores)
 
 
 def main(argv=None) -> int:
     from gnnray.config import from_dict
 
     spec = json.loads((argv or sys.argv[1:])[0])
-    result = end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"])
+    result = end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"], spec.get("affinity", False))
     print(RESULT + json.dumps(result), flush=True)
     return 0
 

@@ -1,20 +1,28 @@
-"""Wall time of whole runs, start-up included: ``jobs/train_arxiv.py`` as a user starts it, against the DGL loop.
+"""Whole runs as a user starts them: steady seeds/s and CPU-seconds per epoch from two run lengths, and start-up.
 
 Ours: ``python jobs/train_arxiv.py OPTIONS --epochs E`` in a new process,
 with the options of figure 3's job (:func:`job_argv`: the same graph, model,
-fanouts, batch size, workers, CPUs, ``--max-ahead`` and ``--eval sampled``),
-timed from process start to exit. It starts its own local Ray cluster (the
-benchmark's is shut down before), loads and publishes the graph, starts the
-train worker and sampler actors, trains, validates each epoch, tests after
-the last and prints its summary. Baseline: ``python -m bench.dgl_loop`` with
-the same configuration (:func:`bench.dgl_loop.end_to_end`: imports, loading
-the graph, model and ``DataLoader``, the same epochs, validation and test),
-with the ``DataLoader`` that was faster in figure 3's rounds (``num_workers``
-0 or 1). Both with the environment the benchmark was started with.
+fanouts, batch size, ``--max-ahead`` and ``--eval sampled``; threads come from
+the CPU plan, or from ``--cpus-per-worker`` with ``--cpu-plan off``), timed
+from process start to exit. It starts its own local Ray cluster (the
+benchmark's is shut down before). Baselines: ``python -m bench.dgl_loop``
+with the same configuration (:func:`bench.dgl_loop.end_to_end`: imports,
+loading, the same epochs, validation and test) on as many threads as cores,
+as a DGL user runs it: ``DataLoader(num_workers=0)``, ``num_workers=1``, and
+``num_workers=1`` with DGL's ``enable_cpu_affinity``.
 
-A short and a longer run (``wall_epochs``); a third row shows what each
-added epoch costs, ``(long - short) / (E_long - E_short)``, which start-up
-does not. Ratios are ours / baseline: below 1 is faster.
+Every configuration runs twice, for ``E_short`` and ``E_long`` epochs, one
+after the other. The difference of the two cancels start-up and the final
+test: a steady epoch takes ``(wall_long - wall_short) / (E_long - E_short)``
+seconds, validation and everything between epochs included, and costs
+``(cpu_long - cpu_short) / (E_long - E_short)`` CPU-seconds of the whole
+machine (its non-idle time in ``/proc/stat``: every process, Ray's daemons
+included). That CPU figure does not depend on how many cores the machine has.
+
+During ours' long run, :mod:`bench.cpu` snapshots every process's CPU time
+at each epoch's line in ``metrics.jsonl``; the windows between those lines,
+but the last, are steady epochs, and their medians per process group make
+the table of where the time goes.
 """
 
 from __future__ import annotations
@@ -22,20 +30,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
+import threading
 import time
 import typing
 from pathlib import Path
 
+from bench import cpu
 from bench.common import REPO, Result, Row, Settings, attempt, compare, job_config
 from bench.dgl_loop import RESULT
 from gnnray.config import DataConfig, JobConfig
 
-FIGURE = "wall time"
+FIGURE = "whole runs"
 # The environment this process was started with (read before it starts Ray, which adds to it), less any
 # RAY_ADDRESS: a user's run on one machine starts its own cluster.
 USER_ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+DGL_LOADERS = {"DGL num_workers=0": (0, False), "DGL num_workers=1": (1, False),
+               "DGL num_workers=1 + enable_cpu_affinity": (1, True)}
 
 
 def job_argv(cfg: JobConfig) -> list[str]:
@@ -61,64 +74,155 @@ def job_argv(cfg: JobConfig) -> list[str]:
     return argv
 
 
-def timed(name: str, cmd: list[str]) -> tuple[float, str]:
-    """Run ``cmd`` from the repository root; its wall time from start to exit, and its output."""
-    start = time.perf_counter()
+def timed(name: str, cmd: list[str], on_epoch_log: typing.Optional[Path] = None) -> dict:
+    """Run ``cmd`` from the repository root: wall time, the machine's CPU-seconds, output, per-epoch snapshots.
+
+    With ``on_epoch_log``, every process's CPU time is snapshot each time a
+    line is added to that file (the run's ``metrics.jsonl``).
+    """
+    snaps, stop = [], threading.Event()
+
+    def watch() -> None:
+        seen = 0
+        while not stop.wait(0.1):
+            try:
+                n = on_epoch_log.read_text().count("\n")
+            except OSError:
+                continue
+            if n > seen:
+                seen = n
+                snaps.append(cpu.snapshot())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    if on_epoch_log:
+        watcher.start()
+    start, busy = time.perf_counter(), cpu.machine_busy_s()
     proc = subprocess.run(cmd, cwd=REPO, env=USER_ENV, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - start
+    wall, busy = time.perf_counter() - start, cpu.machine_busy_s() - busy
+    stop.set()
     if proc.returncode:
         tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")
-    return wall, proc.stdout
+    windows = [cpu.between(a, b) for a, b in zip(snaps, snaps[1:])]
+    return dict(wall_s=wall, cpu_s=busy, stdout=proc.stdout, windows=windows)
 
 
 def ours(cfg: JobConfig) -> dict:
     from gnnray.train.report import METRICS_LOG
 
     argv = job_argv(cfg)
-    wall, out = timed("train_arxiv.py", [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *argv])
-    with open(Path(cfg.run.storage_path) / cfg.run.name / METRICS_LOG) as f:
-        epochs = [json.loads(line) for line in f if line.strip()]
-    summary = [line for line in out.splitlines() if line.startswith("best_val_acc=")]
-    return dict(wall_s=wall, argv=argv, summary=summary[-1] if summary else None, epochs=epochs,
-                outside_epochs_s=wall - sum(m["epoch_time"] for m in epochs))
+    log = Path(cfg.run.storage_path) / cfg.run.name / METRICS_LOG
+    r = timed("train_arxiv.py", [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *argv], log)
+    epochs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    lines = r.pop("stdout").splitlines()
+    plan = [line for line in lines if line.startswith("cpu plan:")]
+    summary = [line for line in lines if line.startswith("best_val_acc=")]
+    return dict(r, argv=argv, plan=plan[0] if plan else None, summary=summary[-1] if summary else None,
+                epochs=epochs)
 
 
-def dgl(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
-    spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers)
-    wall, out = timed("bench.dgl_loop", [sys.executable, "-m", "bench.dgl_loop", json.dumps(spec)])
+def dgl(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool) -> dict:
+    spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers, affinity=affinity)
+    r = timed("bench.dgl_loop", [sys.executable, "-m", "bench.dgl_loop", json.dumps(spec)])
+    out = r.pop("stdout")
     result = json.loads([line for line in out.splitlines() if line.startswith(RESULT)][-1][len(RESULT):])
-    return dict(wall_s=wall, **result, outside_epochs_s=wall - sum(m["epoch_time"] for m in result["epochs"]))
+    return dict(r, **result)
 
 
-def faster_loader(rows: list[Row]) -> int:
-    """The DGL ``DataLoader``'s ``num_workers`` that gave more seeds/s in figure 3 (0 if not measured)."""
-    rates = next((r.detail["dgl_seeds_per_s"] for r in rows if r.detail.get("dgl_seeds_per_s")), {0: 0.0})
-    return max(rates, key=rates.get)
-
-
-def bench_wall(data: DataConfig, s: Settings, workdir: Path, loader_workers: int) -> list[Row]:
-    runs = {}
-    for epochs in s.wall_epochs:
-        cfg = job_config(data, dataclasses.replace(s, epochs=epochs), workdir, f"bench-wall-{epochs}")
-        for side, fn in (("ours", lambda: ours(cfg)), ("dgl", lambda: dgl(cfg, s.cores, loader_workers))):
-            runs[side, epochs] = attempt(fn)
-            if not isinstance(runs[side, epochs], Exception):
-                print(f"[wall] {side}, {epochs} epoch(s): {runs[side, epochs]['wall_s']:.1f} s", flush=True)
-    base = f"DGL num_workers={loader_workers}"
-    rows = [compare(f"{FIGURE}, {e}-epoch run with start-up (vs {base})", "", runs["ours", e],
-                    runs["dgl", e], "wall_s", show="{:.1f} s") for e in s.wall_epochs]
-    short, long = s.wall_epochs[0], s.wall_epochs[-1]
-    if long > short:
-        added = {side: added_epoch(runs[side, short], runs[side, long], long - short) for side in ("ours", "dgl")}
-        rows.append(compare(f"{FIGURE} per added epoch (vs {base})", "", added["ours"], added["dgl"], "wall_s",
-                            show="{:.1f} s"))
-    return rows
-
-
-def added_epoch(short: Result, long: Result, more: int) -> Result:
-    """Seconds per epoch between a short and a long run: the runs' cost without their start-up."""
+def steady(short: Result, long: Result, more: int, seeds_per_epoch: int) -> Result:
+    """A steady epoch from two run lengths: seconds, seeds/s and the machine's CPU-seconds (see the module)."""
     for r in (short, long):
         if isinstance(r, Exception):
             return r
-    return dict(wall_s=(long["wall_s"] - short["wall_s"]) / more)
+    epoch_s = (long["wall_s"] - short["wall_s"]) / more
+    out = dict(epoch_s=epoch_s, seeds_per_s=seeds_per_epoch / epoch_s,
+               cpu_s=(long["cpu_s"] - short["cpu_s"]) / more, start_s=short["wall_s"] - epoch_s * _epochs(short),
+               short=short, long=long)
+    # Where the time went in the long run's steady epochs: the windows between epoch lines start with epoch 1;
+    # the last epoch is left out (the stream ends in it, so its last batches have no sampling beside them).
+    steady_windows = long.get("windows", [])[:-1]
+    if steady_windows:
+        groups = sorted({g for w in steady_windows for g in w})
+        out["by_process"] = {g: statistics.median(w.get(g, 0.0) for w in steady_windows) for g in groups}
+    return out
+
+
+def _epochs(run: dict) -> int:
+    return len(run["epochs"])
+
+
+def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int) -> dict:
+    """Ours (plan on, plan off, DDP) and the DGL loops, each a function running ``epochs`` epochs."""
+    def cfg(name: str, workers: int = 1, **train) -> JobConfig:
+        c = job_config(data, dataclasses.replace(s, epochs=epochs, workers=workers), workdir, f"{name}-{epochs}")
+        return dataclasses.replace(c, train=dataclasses.replace(c.train, **train))
+
+    one = cfg("wall-1")
+    runs = {
+        "ours, 1 worker": lambda: ours(one),
+        # Ray's defaults as a new user gets them: one thread per --cpus-per-worker 1.
+        "ours, 1 worker, --cpu-plan off": lambda: ours(cfg("wall-off", cpu_plan="off")),
+        f"ours, {s.ddp_workers} DDP workers": lambda: ours(cfg("wall-ddp", workers=s.ddp_workers)),
+    }
+    for name, (w, affinity) in DGL_LOADERS.items():
+        runs[name] = lambda w=w, affinity=affinity: dgl(one, s.cores, w, affinity)
+    return runs
+
+
+def bench_wall(data: DataConfig, s: Settings, workdir: Path, train_seeds: int) -> list[Row]:
+    """Every configuration for both run lengths, one configuration after the other; the rows and the table."""
+    short, long = s.wall_epochs[0], s.wall_epochs[-1]
+    results = {}
+    for name in configurations(data, s, workdir, short):
+        runs = {}
+        for epochs in (short, long):
+            runs[epochs] = attempt(configurations(data, s, workdir, epochs)[name])
+            if not isinstance(runs[epochs], Exception):
+                r = runs[epochs]
+                print(f"[wall] {name}, {epochs} epoch(s): {r['wall_s']:.1f} s, {r['cpu_s']:.1f} CPU-s", flush=True)
+        results[name] = steady(runs[short], runs[long], long - short, train_seeds)
+    return rows_for(results, s)
+
+
+def rows_for(results: dict, s: Settings) -> list[Row]:
+    dgl = {k: v for k, v in results.items() if k in DGL_LOADERS and not isinstance(v, Exception)}
+    best_name = max(dgl, key=lambda k: dgl[k]["seeds_per_s"]) if dgl else "DGL num_workers=0"
+    best = dgl.get(best_name, results.get(best_name))
+    one, off = results["ours, 1 worker"], results["ours, 1 worker, --cpu-plan off"]
+    ddp = results[f"ours, {s.ddp_workers} DDP workers"]
+    loop0 = results["DGL num_workers=0"]
+    rows = [compare(f"{FIGURE}: steady seeds/s, 1 worker vs best DGL ({best_name})", ">= 1.0x", one, best,
+                    "seeds_per_s", lambda r: r >= 1.0),
+            compare(f"{FIGURE}: CPU-s per steady epoch (machine), 1 worker vs DGL num_workers=0", "<= 1.15x", one,
+                    loop0, "cpu_s", lambda r: r <= 1.15, show="{:.1f}"),
+            compare(f"{FIGURE}: steady seeds/s, {s.ddp_workers} DDP workers vs best DGL ({best_name})", ">= 1.0x",
+                    ddp, best, "seeds_per_s", lambda r: r >= 1.0),
+            compare(f"{FIGURE}: CPU-s per steady epoch, {s.ddp_workers} DDP workers vs DGL num_workers=0", "", ddp,
+                    loop0, "cpu_s", show="{:.1f}"),
+            compare(f"{FIGURE}: steady seeds/s, 1 worker, CPU plan on vs off", "", one, off, "seeds_per_s"),
+            compare(f"{FIGURE}: CPU-s per steady epoch, 1 worker, CPU plan on vs off", "", one, off, "cpu_s",
+                    show="{:.1f}")]
+    for name, r in dgl.items():
+        if name != best_name:
+            rows.append(compare(f"{FIGURE}: steady seeds/s, 1 worker vs {name}", "", one, r, "seeds_per_s"))
+    rows.append(compare(f"{FIGURE}: outside the steady epochs (start-up, test), 1 worker vs DGL num_workers=0", "",
+                        one, loop0, "start_s", show="{:.1f} s"))
+    rows[0].detail["all"] = results
+    return rows
+
+
+def process_table(results: dict) -> str:
+    """CPU-seconds per steady epoch by process group: ours beside the DGL loop (one process: its machine total)."""
+    ours_ = [n for n, r in results.items() if isinstance(r, dict) and r.get("by_process")]
+    loop = results.get("DGL num_workers=0")
+    if not ours_:
+        return ""
+    groups = sorted({g for n in ours_ for g in results[n]["by_process"]} - {"machine", "other"})
+    head = ours_ + (["DGL num_workers=0 (run difference)"] if isinstance(loop, dict) else [])
+    lines = ["| CPU-s per steady epoch | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for g in groups + ["other", "machine"]:
+        cells = [f"{results[n]['by_process'].get(g, 0.0):.1f}" for n in ours_]
+        if isinstance(loop, dict):
+            cells.append(f"{loop['cpu_s']:.1f}" if g == "machine" else "-")
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
