@@ -80,10 +80,10 @@ class StampedSamplerActor:
     (see :func:`stamped_stream`).
     """
 
-    def __init__(self, graph, fanouts, plan, run: str = "gnnray"):
+    def __init__(self, graph, fanouts, plan, run: str = "gnnray", cpu=None):
         from gnnray.pipeline.sampler import SamplerActor
 
-        self._actor = SamplerActor(graph, fanouts, plan, run)
+        self._actor = SamplerActor(graph, fanouts, plan, run, cpu)
 
     def __call__(self, rows: dict):
         import pyarrow as pa
