@@ -186,6 +186,10 @@ class RunConfig(_Options):
                                "several nodes)")
     max_failures: int = option(0, "restarts from the last checkpoint before giving up", **at_least(0))
     keep_checkpoints: int = option(2, "checkpoints kept per run", **at_least(1))
+    checkpoint_interval: float = option(60.0, "write a checkpoint at an epoch's end only once this many seconds "
+                                        "passed since the last one (or the attempt's start), and always after the "
+                                        "last epoch: a restart loses at most this much work (0: every epoch)",
+                                        metavar="SECONDS", **at_least(0))
     seed: int = option(0, "random seed (shuffling, initialisation, synthetic data, random features)")
     verbose: bool = option(False, "also print Ray's own INFO logs (otherwise in its session logs, see README)")
 

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import shared_dataset
 from gnnray.config import parse_args
+from gnnray.cpus import CpuPlan, node_cores, samplers_per_node
 from gnnray.driver.cli import main
 from gnnray.driver.fit import run
 from gnnray.train.report import METRICS_LOG
@@ -42,6 +43,10 @@ def test_cora_reaches_published_accuracy(ray_cluster, tmp_path):
     # next data epoch (one epoch logged 142 seeds) while the run as a whole takes every row once.
     assert sum(m["seeds_per_s"] * m["epoch_time"] for m in logged) == pytest.approx(20 * 140, rel=1e-6)
     assert summary.best_val_acc == max(m["val_acc"] for m in logged)
+    # The CPU plan, on by default, as rank 0 applied it (2 workers on this one node) and recorded it.
+    plan = CpuPlan(node_cores(), 2, samplers_per_node(2, 1))
+    assert {m["cpu_threads"] for m in logged} == {plan.trainer_threads()}
+    assert logged[0]["cpu_cores"] == list(plan.trainer_cores(0) or range(os.cpu_count()))
 
 
 def test_synthetic_learns_and_resumes(ray_cluster, tmp_path):

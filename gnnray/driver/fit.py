@@ -5,11 +5,13 @@ The stages it wires are listed in ``gnnray/__init__.py``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 from gnnray.config import JobConfig
+from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.driver import console, launch, preflight
@@ -64,6 +66,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
     graph = pub.graph
     use_gpu = launch.resolve_gpu(cfg, pub.local)
     owners = _embedding_owners(cfg, pub)
+    cpu = cpu_policy(cfg, use_gpu)
 
     restarts = 0
     while True:
@@ -76,7 +79,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         if latest:
             console.say(f"resuming run {cfg.run.name!r} from epoch {first_epoch} ({latest.path})")
         setup = WorkerSetup(cfg, pub.handle, first_epoch, latest.path if latest else None, restarts, run_dir,
-                            model_factory, owners)
+                            model_factory, owners, cpu)
         try:
             with console.EpochPrinter(run_dir, cfg.train.epochs):
                 _fit(cfg, setup, graph, use_gpu)
@@ -91,6 +94,18 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             continue
         latest, _ = checkpoint.latest_valid(run_dir)
         return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
+
+
+def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:
+    """The job's CPU plan (``--cpu-plan``), printed once as this node's plan; ``None`` when off."""
+    if cfg.train.cpu_plan == "off":
+        return None
+    nodes = [n for n in preflight.nodes() if n.cpus > 0]
+    policy = CpuPolicy(True, samplers_per_node(cfg.sampler.actors_max, len(nodes)), use_gpu,
+                       cfg.train.trainer_threads)
+    # The line shows this node with its share of the workers; each worker plans from its own node's cores.
+    console.say(policy.plan(math.ceil(cfg.train.num_workers / max(1, len(nodes)))).line())
+    return policy
 
 
 def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tuple] = None) -> Optional[tuple]:
@@ -145,7 +160,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
             failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
         ),
-        datasets={"train": minibatch_stream(cfg, setup.graph, plan, setup.first_epoch)},
+        datasets={"train": minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu)},
         # Ray Train splits with equal=True, so every rank gets the same row count.
         dataset_config=ray.train.DataConfig(datasets_to_split=["train"], execution_options=execution_options()),
     )

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from gnnray import cpus
 from gnnray.config import JobConfig
 from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
@@ -44,6 +45,8 @@ def init_ray(cfg: JobConfig) -> bool:
     if not ray.is_initialized():
         options = dict(logging_config=ray.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
                        log_to_driver=True)
+        if cfg.train.cpu_plan == "on":  # read by OpenMP when a process loads it: set for every process of the job
+            options["runtime_env"] = {"env_vars": dict(cpus.JOB_ENV)}
         if os.environ.get("RAY_ADDRESS"):
             ray.init(**options)
         else:

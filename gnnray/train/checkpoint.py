@@ -1,4 +1,4 @@
-"""Checkpoints: written by rank 0 each epoch, chosen by the driver on resume.
+"""Checkpoints: written by rank 0 at epoch ends (:class:`Schedule`), chosen by the driver on resume.
 
 A checkpoint directory holds ``state.pt`` (model, optimizer, epoch, best
 validation accuracy, node embeddings and their optimizer if any) and
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -44,6 +45,30 @@ class CheckpointInfo:
     path: str
     epoch: int
     metrics: dict
+
+
+class Schedule:
+    """When rank 0 writes a checkpoint (``--checkpoint-interval``).
+
+    Once ``interval_s`` seconds have passed since the last checkpoint (or since
+    the schedule was made, at the attempt's start), and always when ``final``:
+    after the last epoch, and before any planned stop. A restart then loses at
+    most ``interval_s`` of work, and short epochs do not pay for a checkpoint
+    each. Ray Train still gets every epoch's metrics, without a checkpoint.
+    The test is cheap: it may be asked at any point where a checkpoint can be
+    taken, not only at epoch ends. ``clock`` is for tests.
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic):
+        self._interval_s, self._clock = interval_s, clock
+        self._last = clock()
+
+    def due(self, final: bool = False) -> bool:
+        return final or self._clock() - self._last >= self._interval_s
+
+    def saved(self) -> None:
+        """Restart the interval: a checkpoint was just written."""
+        self._last = self._clock()
 
 
 def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, metrics: dict[str, Any],

@@ -2,8 +2,8 @@
 
 Input: this rank's shard of the sampled mini-batch stream, the node-shared
 graph (features for the gather, the structure for evaluation sampling) and the
-job configuration. Output: per-epoch ``ray.train.report`` with metrics and a
-checkpoint (rank 0 writes it).
+job configuration. Output: per-epoch ``ray.train.report`` with metrics and,
+when ``--checkpoint-interval`` says one is due, a checkpoint (rank 0 writes it).
 
 Each rank takes exactly ``steps_per_epoch`` rows per epoch from one stream that
 spans the run; the seeds stage made the row count divisible by the number of
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gnnray.config import JobConfig
+from gnnray.cpus import CpuPolicy
 from gnnray.data.store import GraphHandle
 from gnnray.logs import quiet_console
 from gnnray.metrics import TrainMetrics
@@ -31,7 +32,7 @@ from gnnray.train import checkpoint
 from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator, model_input
 from gnnray.train.model import model_for
-from gnnray.train.report import METRICS_LOG, Progress, max_private_memory_mb, report, saved_config
+from gnnray.train.report import METRICS_LOG, PrivateMemory, Progress, report, saved_config
 
 ModelFactory = Callable[[int, int, JobConfig], torch.nn.Module]
 
@@ -53,6 +54,7 @@ class WorkerSetup:
             ``forward(blocks, x)`` returns logits; ``--model`` by default.
         embedding_owners: With ``--feature-shards`` and ``--embedding-dim``:
             the owners of the embedding table's shards (``train.embedding.create_owners``).
+        cpu: The job's CPU plan (:mod:`gnnray.cpus`); ``None`` leaves Ray's defaults.
     """
 
     cfg: JobConfig
@@ -63,6 +65,7 @@ class WorkerSetup:
     run_dir: Optional[str] = None
     model_factory: Optional[ModelFactory] = None
     embedding_owners: Optional[tuple] = None
+    cpu: Optional[CpuPolicy] = None
 
 
 def train_loop(config: dict) -> None:
@@ -80,6 +83,8 @@ def train_loop(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
+    # Threads and cores before the first parallel region (the plan's other parts came with the process).
+    cpu_used = setup.cpu.apply_trainer(ctx.get_local_rank(), ctx.get_local_world_size()) if setup.cpu else {}
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
 
     # 1. The node-shared graph and its features (sharded or not), the model and, with --embedding-dim, the
@@ -131,6 +136,7 @@ def train_loop(config: dict) -> None:
     with Prefetcher(rows, features, device, depth=cfg.train.prefetch) as batches:
         for _ in range((start - setup.first_epoch) * steps):  # stream starts before the checkpoint: skip
             next(batches)
+        memory, schedule = PrivateMemory(), checkpoint.Schedule(cfg.run.checkpoint_interval)
         for epoch in range(start, cfg.train.epochs):
             # 5. Train one epoch, then evaluate (sampled, all ranks together).
             fetched = features.stats()
@@ -141,13 +147,20 @@ def train_loop(config: dict) -> None:
             val_acc = evaluator.accuracy(model, "valid")
             best_val = max(best_val, val_acc)
             metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=setup.restarts)
-            if epoch == cfg.train.epochs - 1:
+            last = epoch == cfg.train.epochs - 1
+            if last:
                 metrics["test_acc"] = evaluator.accuracy(model, "test")
-            metrics["worker_uss_mb"] = max_private_memory_mb(device)
+            metrics["worker_uss_mb"] = memory.max_mb(device, fresh=last)
+            if cpu_used:  # what the CPU plan gave this rank (README, "The CPU plan")
+                metrics.update(cpu_threads=cpu_used["torch_threads"], cpu_cores=cpu_used["cores"],
+                               cpu_nice=cpu_used["nice"])
             exported.epoch(epoch, metrics)
-            # 6. Ray Train: report the metrics, with rank 0's checkpoint.
+            # 6. Ray Train: every rank reports every epoch; rank 0 attaches a checkpoint when one is due.
+            save = rank == 0 and schedule.due(final=last)
             report(metrics, model, optimizer, rank, metrics_log, embedding,
-                   saved_config(cfg, setup.model_factory is not None))
+                   saved_config(cfg, setup.model_factory is not None) if save else None, save)
+            if save:
+                schedule.saved()
 
 
 def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device,

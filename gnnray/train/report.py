@@ -1,7 +1,8 @@
-"""What rank 0 hands the driver: the epoch's metrics line, its checkpoint, and progress within the epoch.
+"""What rank 0 hands the driver: the epoch's metrics line, a checkpoint when due, and progress within the epoch.
 
 The metrics line goes to ``STORAGE_PATH/NAME/metrics.jsonl`` (the driver
-prints it, tools read it) and with the checkpoint through ``ray.train.report``.
+prints it, tools read it) and through ``ray.train.report`` every epoch, with a
+checkpoint when ``checkpoint.Schedule`` says one is due.
 """
 
 from __future__ import annotations
@@ -44,26 +45,41 @@ class Progress:
         os.replace(self._path + ".tmp", self._path)
 
 
-def max_private_memory_mb(device) -> float:
+class PrivateMemory:
     """The largest private memory (USS, MiB) of the ranks' processes; flat over epochs in a healthy run.
 
     USS leaves out the node-shared graph, so it shows what each process holds
     by itself (``worker_uss_mb`` in the metrics). Free memory the C allocator
-    keeps is handed back first (glibc ``malloc_trim``): it is not growth, and
-    returning it once an epoch is cheap.
+    keeps is handed back first (glibc ``malloc_trim``): it is not growth.
+    Reading USS walks the process's page tables, a cost that grows with the
+    process: a rank reads it again only once ``share`` of the time since its
+    last reading pays for it, and passes on its last reading in between, so
+    that short epochs do not spend their time on it.
     """
-    import psutil
-    import torch.distributed as dist
 
-    trim_heap()
-    uss = torch.tensor(psutil.Process().memory_full_info().uss / 2**20, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(uss, op=dist.ReduceOp.MAX)
-    return float(uss)
+    def __init__(self, share: float = 0.01):
+        self._share, self._uss_mb, self._next = share, 0.0, 0.0
+
+    def max_mb(self, device, fresh: bool = False) -> float:
+        """Every rank calls it at the same point (an all-reduce); ``fresh`` reads USS now, whatever its cost."""
+        import psutil
+        import torch.distributed as dist
+
+        now = time.monotonic()
+        if fresh or now >= self._next:
+            trim_heap()
+            self._uss_mb = psutil.Process().memory_full_info().uss / 2**20
+            self._next = now + (time.monotonic() - now) / self._share
+        uss = torch.tensor(self._uss_mb, dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(uss, op=dist.ReduceOp.MAX)
+        return float(uss)
 
 
 def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str],
-            embedding: Optional[NodeEmbedding] = None, config: Optional[dict] = None) -> None:
+           embedding: Optional[NodeEmbedding] = None, config: Optional[dict] = None, save: bool = True) -> None:
+    """Report an epoch's ``metrics`` to Ray Train (every rank, every epoch); rank 0 first appends them to
+    ``metrics_log`` and, with ``save``, attaches a checkpoint (``config`` stored in it)."""
     import ray.train
 
     if rank != 0:
@@ -75,6 +91,9 @@ def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str
     if metrics_log:
         with open(metrics_log, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+    if not save:
+        ray.train.report(metrics)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         extra = {"embedding": embedding.state_dict()} if embedding else None
         checkpoint.save(tmp, getattr(model, "module", model), optimizer, metrics, extra=extra, config=config)

@@ -29,9 +29,11 @@ from gnnray.train.report import METRICS_LOG
 REPO = Path(__file__).resolve().parents[2]
 # Small and quick, but with enough steps (1800 train seeds / (32 x 2)) that an
 # epoch lasts long enough to be interrupted; --eval sampled skips the
-# layer-wise inference pass after training.
+# layer-wise inference pass after training; a checkpoint every epoch, so that
+# a restart repeats at most the interrupted epoch (check_epochs).
 SMALL = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
-         "--batch-size", "32", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1,1", "--eval", "sampled"]
+         "--batch-size", "32", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1,1", "--eval", "sampled",
+         "--checkpoint-interval", "0"]
 JOB_TIMEOUT_S = 420  # a bound, not a speed claim: runs take 30-120 s here on 2 busy cores
 
 

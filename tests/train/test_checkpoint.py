@@ -145,3 +145,43 @@ def test_empty_or_missing_run_dir(tmp_path):
 
 def test_read_info_missing_directory(tmp_path):
     assert checkpoint.read_info(str(tmp_path / "nope")) is None
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_schedule_waits_the_interval_since_the_last_checkpoint():
+    clock = _Clock()
+    schedule = checkpoint.Schedule(10.0, clock)
+    clock.now += 9.5
+    assert not schedule.due()  # counted from the schedule's start: the attempt's
+    clock.now += 0.5
+    assert schedule.due()
+    schedule.saved()
+    clock.now += 9.0
+    assert not schedule.due() and schedule.due(final=True)  # the last epoch always writes one
+    clock.now += 1.0
+    assert schedule.due()
+
+
+def test_schedule_interval_zero_writes_every_time():
+    schedule = checkpoint.Schedule(0.0, _Clock())
+    assert all(schedule.due() for _ in range(3))
+
+
+def test_schedule_epochs_that_write_a_checkpoint():
+    """Epochs of 4 s with a 10 s interval over 8 epochs: every third, and the last."""
+    clock = _Clock()
+    schedule = checkpoint.Schedule(10.0, clock)
+    written = []
+    for epoch in range(8):
+        clock.now += 4.0
+        if schedule.due(final=epoch == 7):
+            schedule.saved()
+            written.append(epoch)
+    assert written == [2, 5, 7]

@@ -1,0 +1,83 @@
+"""What happens between two epochs: sampled validation, the workers' memory reading, checkpoints by interval."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from gnnray.config import JobConfig, ModelConfig, SamplerConfig, TrainConfig, parse_args
+from gnnray.train import checkpoint, evaluate
+from gnnray.train.evaluate import Evaluator
+from gnnray.train.model import model_for
+from gnnray.train.report import METRICS_LOG, PrivateMemory
+
+
+def test_evaluation_in_one_batch_on_this_thread_equals_several(graph, monkeypatch):
+    import torch
+
+    # All neighbors: sampling is deterministic, so both ways must agree exactly.
+    one = JobConfig(sampler=SamplerConfig(fanouts=(-1, -1)), model=ModelConfig(hidden=8, dropout=0.0),
+                    train=TrainConfig(eval_batch_size=4096))
+    several = replace(one, train=TrainConfig(eval_batch_size=3))
+    torch.manual_seed(0)
+    model = model_for(graph.feat_dim, graph.num_classes, one)
+    want = Evaluator(graph, several, 0, 1, "cpu").accuracy(model, "valid")
+
+    def no_thread(*args, **kwargs):
+        raise AssertionError("a single evaluation batch started a prefetch thread")
+
+    monkeypatch.setattr(evaluate, "Prefetcher", no_thread)
+    evaluator = Evaluator(graph, one, 0, 1, "cpu")
+    assert [evaluator.accuracy(model, "valid") for _ in range(2)] == [want, want]  # its reused buffer too
+
+
+def test_private_memory_passes_on_its_last_reading_until_a_new_one_pays(monkeypatch):
+    readings = iter([100, 200, 300])
+    monkeypatch.setattr(psutil, "Process", lambda: SimpleNamespace(
+        memory_full_info=lambda: SimpleNamespace(uss=next(readings) * 2**20)))
+    memory = PrivateMemory(share=1e-12)  # a new reading would pay only after ages
+    assert memory.max_mb("cpu") == 100  # the first call reads
+    assert memory.max_mb("cpu") == 100
+    assert memory.max_mb("cpu", fresh=True) == 200  # the last epoch's is read whatever it costs
+    assert memory.max_mb("cpu") == 200
+
+
+def test_default_checkpoint_interval():
+    assert parse_args([]).run.checkpoint_interval == 60.0
+
+
+# One worker, a small synthetic graph: a few seconds an epoch here.
+SMALL = ["--dataset", "synthetic", "--synthetic-nodes", "1000", "--synthetic-feat-dim", "8", "--fanouts", "5,5",
+         "--batch-size", "200", "--hidden", "16", "--num-workers", "1", "--sampler-actors", "1", "--eval", "sampled",
+         "--keep-checkpoints", "10"]
+
+
+def _checkpointed(run_dir) -> list[int]:
+    return sorted(checkpoint.read_info(str(d)).epoch for d in run_dir.glob("checkpoint_*") if d.is_dir())
+
+
+def _logged(run_dir) -> list[int]:
+    return [json.loads(line)["epoch"] for line in (run_dir / METRICS_LOG).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("interval", ["3600", "0"])
+def test_checkpoints_by_interval_and_resume(ray_cluster, tmp_path, interval):
+    """An interval longer than the run writes only the last epoch's checkpoint; 0 writes every epoch's.
+
+    Either way every epoch is logged, and the run resumes after the last checkpoint.
+    """
+    from gnnray.driver.fit import run
+
+    args = SMALL + ["--storage-path", str(tmp_path), "--name", "run"]
+    run(parse_args(args + ["--epochs", "3", "--checkpoint-interval", interval]))
+    assert _logged(tmp_path / "run") == [0, 1, 2]
+    assert _checkpointed(tmp_path / "run") == ([2] if interval == "3600" else [0, 1, 2])
+
+    summary = run(parse_args(args + ["--epochs", "5", "--checkpoint-interval", interval]))
+    assert _logged(tmp_path / "run") == [0, 1, 2, 3, 4]  # resumed at epoch 3
+    assert _checkpointed(tmp_path / "run") == ([2, 4] if interval == "3600" else [0, 1, 2, 3, 4])
+    assert summary.metrics["epoch"] == 4 and "test_acc" in summary.metrics
