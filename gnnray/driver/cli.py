@@ -11,8 +11,6 @@ from gnnray.errors import GnnrayError
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point; returns the process exit code."""
-    import ray.train
-
     from gnnray.driver.failures import one_line
     from gnnray.driver.fit import run
 
@@ -22,8 +20,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except GnnrayError as e:
         print(f"gnnray: error: {e}", file=sys.stderr)
         return 2
-    except ray.train.TrainingFailedError as e:
+    except _training_failed() as e:
         print(f"gnnray: training failed: {one_line(e)}", file=sys.stderr)
         return 1
     print(summary.line(), flush=True)
     return 0
+
+
+def _training_failed() -> type:
+    """Ray Train's ``TrainingFailedError``, imported only when something was raised: the driver starts Ray before
+    it imports Ray Train (see ``gnnray.driver.launch.load_and_publish``)."""
+    import ray.train
+
+    return ray.train.TrainingFailedError

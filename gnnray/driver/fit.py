@@ -8,17 +8,21 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
-from gnnray.driver import console, launch, preflight
+from gnnray.driver import launch, preflight
 from gnnray.driver.failures import one_line
 from gnnray.errors import CheckpointError
-from gnnray.train import checkpoint
-from gnnray.train.loop import ModelFactory, WorkerSetup, train_loop
+
+# torch, Ray Train and what imports them (the console too, through gnnray.train.report) are imported where
+# used: the driver starts Ray first, and a local cluster starts while torch is imported (launch.load_and_publish).
+if TYPE_CHECKING:
+    from gnnray.train import checkpoint
+    from gnnray.train.loop import ModelFactory, WorkerSetup
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,15 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         GnnrayError: Bad options, data or cluster; raised before training starts.
         ray.train.TrainingFailedError: Training failed more than ``max_failures`` times.
     """
-    import ray.train
-
     run_dir = preflight.check_storage(cfg)
     pub = launch.load_and_publish(cfg)
+
+    import ray.train
+
+    from gnnray.driver import console
+    from gnnray.train import checkpoint
+    from gnnray.train.loop import WorkerSetup
+
     graph = pub.graph
     use_gpu = launch.resolve_gpu(cfg, pub.local)
     owners = _embedding_owners(cfg, pub)
@@ -82,7 +91,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
                             model_factory, owners, cpu)
         try:
             with console.EpochPrinter(run_dir, cfg.train.epochs):
-                _fit(cfg, setup, graph, use_gpu)
+                _fit(cfg, setup, graph, use_gpu, pub.local)
         except ray.train.TrainingFailedError as e:
             if restarts >= cfg.run.max_failures:
                 raise
@@ -96,8 +105,30 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
 
 
+def _start_train_singletons() -> None:
+    """Start the cluster-wide actors Ray Train's controller waits for, if not running yet; do not wait.
+
+    On a new cluster the controller would start each in turn (a process of
+    its own, seconds each) before it starts the workers; started here, they
+    start while the controller does. Each is Ray's own get-or-create of a
+    named detached actor, so the controller finds them.
+    """
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+    from ray._private.ray_constants import env_bool
+    from ray.train.constants import RAY_TRAIN_ENABLE_STATE_TRACKING
+    from ray.train.v2._internal.state.state_actor import get_or_create_state_actor
+
+    get_or_create_autoscaling_coordinator()
+    if env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False):  # as TorchTrainer decides it
+        get_or_create_state_actor()
+
+
 def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:
     """The job's CPU plan (``--cpu-plan``), printed once as this node's plan; ``None`` when off."""
+    from gnnray.driver import console
+
     if cfg.train.cpu_plan == "off":
         return None
     nodes = [n for n in preflight.nodes() if n.cpus > 0]
@@ -133,15 +164,22 @@ def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tu
                          cfg.train.embedding_lr or cfg.train.lr, cfg.run.seed)
 
 
-def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> None:
+def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local: bool) -> None:
     """One Ray Train attempt over the stream of sampled mini-batches."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from gnnray.driver.split import StartedSplit, split_by_driver
     from gnnray.pipeline.seeds import SeedPlan
     from gnnray.pipeline.stream import execution_options, minibatch_stream
+    from gnnray.train.loop import train_loop
 
+    _start_train_singletons()
+    if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, cfg.train.num_workers, cfg.run.seed)
+    stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu)
+    split = StartedSplit(stream, cfg.train.num_workers, execution_options())
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"setup": setup},
@@ -160,11 +198,15 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool) -> Non
             failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
         ),
-        datasets={"train": minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu)},
-        # Ray Train splits with equal=True, so every rank gets the same row count.
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"], execution_options=execution_options()),
+        datasets={"train": split_by_driver},
+        # Split with equal=True, so every rank gets the same row count; by the driver, and started, so that
+        # the sampler pool starts while Ray Train starts its workers (StartedSplit), not when they ask.
+        dataset_config=split,
     )
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        split.shutdown()
 
 
 def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph, handle: GraphHandle,
@@ -174,7 +216,9 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
     The sampled test accuracy is kept as ``test_acc_sampled``; the result is
     written into the checkpoint's ``meta.json``, so it is computed once.
     """
+    from gnnray.driver import console
     from gnnray.inference import layerwise
+    from gnnray.train import checkpoint
 
     if cfg.train.eval != "layerwise" or latest.metrics.get("eval") == "layerwise":
         return latest
@@ -203,6 +247,9 @@ def _resume_point(cfg: JobConfig, run_dir: str) -> Optional[checkpoint.Checkpoin
         CheckpointError: Only corrupt checkpoints are left: starting over would
             silently discard the run, so the user decides.
     """
+    from gnnray.driver import console
+    from gnnray.train import checkpoint
+
     extra = ("embedding",) if cfg.data.embedding_dim else ()
     latest, bad = checkpoint.latest_valid(run_dir, extra)
     corrupt = {}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,8 +19,11 @@ from gnnray.config import JobConfig
 from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
-from gnnray.driver import console, preflight
+from gnnray.driver import preflight
 from gnnray.errors import ClusterError
+
+# gnnray.driver.console is imported where used, once Ray has started: it imports torch (through
+# gnnray.train.report), which a thread imports meanwhile (load_and_publish).
 
 # How long an autoscaling cluster may take to add the nodes the feature shards need, and how often to look.
 AUTOSCALE_WAIT_S = 900
@@ -33,7 +38,6 @@ def init_ray(cfg: JobConfig) -> bool:
     (:func:`gnnray.driver.console.quiet_ray`).
     """
     import ray
-    import ray.data
 
     os.environ.setdefault("DGLBACKEND", "pytorch")
     # The dashboard's Train view lists only runs whose driver tracks Train state.
@@ -48,10 +52,10 @@ def init_ray(cfg: JobConfig) -> bool:
     if not ray.is_initialized():
         options = dict(logging_config=ray.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
                        log_to_driver=True)
-        if cfg.train.cpu_plan == "on":  # read by OpenMP when a process loads it: set for every process of the job
-            options["runtime_env"] = {"env_vars": dict(cpus.JOB_ENV)}
+        # Read by OpenMP when a process loads it: set for every process of the job.
+        job_env = dict(cpus.JOB_ENV) if cfg.train.cpu_plan == "on" else {}
         if os.environ.get("RAY_ADDRESS"):
-            ray.init(**options)
+            ray.init(**options, **({"runtime_env": {"env_vars": job_env}} if job_env else {}))
         else:
             local = True
             # A local cluster gets enough logical CPUs for every worker and
@@ -63,14 +67,38 @@ def init_ray(cfg: JobConfig) -> bool:
             # machine (joining one is what RAY_ADDRESS is for).
             os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
                                                                   f"ignore:{_RAY_DEPRECATION}"]))
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), **options)
+            # A local cluster's processes inherit the job's environment from this one; a job runtime env
+            # instead would keep every actor off the idle workers Ray starts with the cluster (they have none).
+            with _environ(job_env):
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), **options)
+    import ray.data
+
+    from gnnray.driver import console
+
     console.quiet_ray(cfg.run.verbose)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.run.verbose and sys.stdout.isatty()
     return local
 
 
+@contextlib.contextmanager
+def _environ(values: dict):
+    """``os.environ`` with ``values`` set, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def resolve_gpu(cfg: JobConfig, local: bool) -> bool:
     """Whether to train on GPUs; raises :class:`ClusterError` if a fixed-size cluster can never run the job."""
+    from gnnray.driver import console
+
     nodes = preflight.nodes()
     use_gpu = bool(cfg.train.use_gpu if cfg.train.use_gpu is not None else sum(n.gpus for n in nodes) >= 1)
     try:
@@ -106,9 +134,12 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     """Load the graph and connect to Ray, then :func:`publish_checked`, or place the feature shards.
 
     ``model_check(feat_dim, num_classes)`` runs after loading, before Ray starts (predict's model check).
+    Meanwhile a thread imports torch, which the driver needs next: loading and starting Ray (on a new
+    local cluster, seconds of waiting for its processes) leave a core to spare.
     """
     from gnnray.data.load import load_graph, load_structure
 
+    threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
     if cfg.data.feature_shards == 1:
         graph = load_graph(cfg.data, cfg.run.seed)
         if model_check:
@@ -122,6 +153,10 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     return _publish_sharded(cfg, graph, source)
 
 
+def _import_torch() -> None:
+    import torch  # noqa: F401
+
+
 def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource) -> Published:
     """Publish the structure once per node, then the feature table as ``--feature-shards`` shards (``shards.build``)."""
     from gnnray.data import shards
@@ -129,8 +164,10 @@ def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource) -> Pub
 
     d = cfg.data
     table = source.num_rows * source.dim * np.dtype(d.feature_dtype).itemsize
-    console.say(console.graph_line(graph, source.dim, table))
     local = init_ray(cfg)
+    from gnnray.driver import console  # after Ray started (see above)
+
+    console.say(console.graph_line(graph, source.dim, table))
     shard_bytes = shards.shard_nbytes(source.num_rows, source.dim, d.feature_dtype, d.feature_shards)
     cache_bytes = shards.cache_nbytes(source.num_rows, source.dim, d.feature_dtype, d.feature_cache)
     nodes = _shard_nodes(cfg, local, graph.nbytes, shard_bytes, cache_bytes)
@@ -149,6 +186,7 @@ def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes:
     import ray
 
     from gnnray.data import shards
+    from gnnray.driver import console
 
     driver_node = ray.get_runtime_context().get_node_id()
     deadline, said = time.monotonic() + AUTOSCALE_WAIT_S, False
@@ -168,6 +206,7 @@ def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes:
 def rebuild_lost_shards(pub: Published) -> Published:
     """After a failed attempt: make the shards whose node or server was lost again, on alive nodes."""
     from gnnray.data import shards
+    from gnnray.driver import console
 
     if pub.handle.features is None:
         return pub
@@ -188,8 +227,10 @@ def publish_checked(cfg: JobConfig, graph: Graph) -> tuple[Graph, GraphHandle, b
     """
     from gnnray.data.store import publish
 
-    console.say(console.graph_line(graph))
     local = init_ray(cfg)
+    from gnnray.driver import console  # after Ray started (see load_and_publish)
+
+    console.say(console.graph_line(graph))
     preflight.check_object_store(graph.nbytes, preflight.nodes())
     handle = publish(graph)
     return handle.get(), handle, local

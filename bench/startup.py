@@ -1,0 +1,439 @@
+"""Start-up: seconds from the command to the first training step, and when each part of the way ends.
+
+Usage (from the repository root)::
+
+    .venv/bin/python -m bench.startup                    # fresh local cluster, 3 runs
+    .venv/bin/python -m bench.startup --join             # joins a head this script starts (ray start --head)
+    .venv/bin/python -m bench.startup --runs 5 -- --num-workers 2 --sampler-actors 2
+
+Each run is ``jobs/train_arxiv.py`` as a user starts it (default options:
+``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval
+sampled``; options after ``--`` are added), in a new process, timed from just
+before it starts. The job is not changed and prints nothing more: the
+milestones come from what the run leaves behind anyway.
+
+- the driver's own output: the ``graph ...`` line;
+- Ray's session logs: the driver's core worker (connected to Ray), the raylet
+  (a worker process launched), each worker process's core log (registered,
+  its actor's constructor finished), Ray Train's controller and worker logs
+  (controller running, worker group started, train function launched) and
+  Ray Data's log (split coordinator created, stream started);
+- the run's progress file, which rank 0 writes after its first training step.
+
+Every run gets its own Ray temp dir (``RAY_TMPDIR``), so the logs read are
+its own. ``--join`` starts one head with ``ray start --head`` (its own ports
+and temp dir, dashboard on), runs every run against it with ``RAY_ADDRESS``
+and stops exactly that head's processes afterwards (not ``ray stop``, which
+stops every Ray cluster on the machine). The first run on a new head is
+reported apart from the later ones: it also pays for the head's first job.
+
+Times are wall-clock seconds on a shared machine: repeat, and compare medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Callable, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "jobs" / "train_arxiv.py"
+DEFAULT_OPTIONS = ["--dataset", "synthetic", "--epochs", "1", "--num-workers", "1", "--sampler-actors", "1",
+                   "--eval", "sampled"]
+PROGRESS_FILE = ".progress"  # gnnray.train.report.PROGRESS_FILE, read here without importing gnnray
+
+# Milestones in the order a run normally reaches them, with what each one means.
+MILESTONES = {
+    "graph_line": "driver printed its graph line (graph loaded; since this change also Ray connected)",
+    "ray_connected": "driver connected to Ray (a local cluster: started)",
+    "controller_launched": "Ray Train controller process launched (trainer.fit called)",
+    "controller_running": "controller running (its first log line)",
+    "stream_started": "sampler stream started (Ray Data's executor, first epoch)",
+    "sampler_ready": "first sampler actor constructed",
+    "worker_group_started": "train worker group started",
+    "train_fn_launched": "train function launched on the workers",
+    "first_step": "first training step done (rank 0's progress file)",
+}
+
+
+def _log_time(text: str) -> float:
+    """Seconds since the epoch of a log timestamp ``YYYY-mm-dd HH:MM:SS,mmm`` (local time)."""
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+_BRACKETED = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+_PLAIN = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def _first(path: str, needle: str = "", pattern: re.Pattern = _BRACKETED) -> Optional[float]:
+    """Time of the first timestamped line of ``path`` containing ``needle``."""
+    for line in _lines(path):
+        if needle in line:
+            m = pattern.match(line)
+            if m:
+                return _log_time(m.group(1))
+    return None
+
+
+def _json_first(paths: list[str], needle: str) -> Optional[float]:
+    """Time of the first line containing ``needle`` in Ray Train's structured (JSON lines) logs."""
+    times = []
+    for path in paths:
+        for line in _lines(path):
+            if needle in line:
+                try:
+                    times.append(_log_time(json.loads(line)["asctime"]))
+                except (ValueError, KeyError):
+                    pass
+    return min(times, default=None)
+
+
+def session_logs(tmpdir: str, driver_pid: int) -> Optional[str]:
+    """The logs directory of the session the driver ``driver_pid`` connected to."""
+    found = glob.glob(os.path.join(tmpdir, "ray", "session_*", "logs", f"python-core-driver-*_{driver_pid}.log"))
+    return os.path.dirname(found[0]) if found else None
+
+
+def processes(logs: str, job_hex: str) -> list[dict]:
+    """Every worker process of the job: its actor, when the raylet launched it, registered, constructed it."""
+    launched = {}
+    for line in _lines(os.path.join(logs, "raylet.out")):
+        m = re.search(r"Started worker process with pid (\d+)", line)
+        t = _BRACKETED.match(line)
+        if m and t:
+            launched[int(m.group(1))] = _log_time(t.group(1))
+    out = []
+    for path in glob.glob(os.path.join(logs, f"worker-*-{job_hex}-*.out")):
+        pid = int(path.rsplit("-", 1)[1].split(".")[0])
+        names = [line.split(":actor_name:", 1)[1] for line in _lines(path) if line.startswith(":actor_name:")]
+        core = glob.glob(os.path.join(logs, f"python-core-worker-*_{pid}.log"))
+        core = core[0] if core else ""
+        out.append(dict(pid=pid, actor=names[0] if names else None, launched=launched.get(pid),
+                        registered=_first(core), constructed=_first(core, "Actor creation task finished")))
+    return sorted(out, key=lambda p: p["launched"] or p["registered"] or 0)
+
+
+def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optional[float]) -> tuple[dict, list]:
+    """Absolute times of :data:`MILESTONES` (``None`` where a run's logs do not show one) and its processes."""
+    driver_log = glob.glob(os.path.join(logs, f"python-core-driver-*_{driver_pid}.log"))[0]
+    job_hex = os.path.basename(driver_log).split("-")[3][:8]  # python-core-driver-<job id>ffff..._<pid>.log
+    procs = processes(logs, job_hex)
+
+    def actor(prefix: str, key: str) -> Optional[float]:
+        return min((p[key] for p in procs if (p["actor"] or "").startswith(prefix) and p[key]), default=None)
+
+    controller = glob.glob(os.path.join(logs, "train", "ray-train-sys-controller-*.log"))
+    workers = glob.glob(os.path.join(logs, "train", "ray-train-sys-worker-*.log"))
+    # For a joined cluster the session holds earlier runs too: only this job's records count.
+    controller = [p for p in controller if any(f'"job_id": "{job_hex}"' in line for line in _lines(p)[:3])]
+    workers = [p for p in workers if any(f'"job_id": "{job_hex}"' in line for line in _lines(p)[:3])]
+    data_log = os.path.join(logs, "ray-data", "ray-data.log")
+    start = stdout_times.get("start", 0.0)
+
+    def data(needle: str) -> Optional[float]:
+        times = [_log_time(m.group(1)) for line in _lines(data_log) if needle in line
+                 for m in [_PLAIN.match(line)] if m]
+        return min((t for t in times if t >= start), default=None)
+
+    times = {
+        "graph_line": stdout_times.get("graph"),
+        "ray_connected": _first(driver_log, "Initializing worker at address"),
+        "controller_launched": actor("TrainController", "launched"),
+        "controller_running": min((t for p in controller for t in [_first_json(p)] if t), default=None),
+        "stream_started": data("Starting epoch 0"),
+        "sampler_ready": actor("MapWorker", "constructed"),
+        "worker_group_started": _json_first(controller, "Started training worker group"),
+        "train_fn_launched": _json_first(workers, "Launching training function"),
+        "first_step": first_step,
+    }
+    return times, procs
+
+
+def _first_json(path: str) -> Optional[float]:
+    for line in _lines(path)[:1]:
+        try:
+            return _log_time(json.loads(line)["asctime"])
+        except (ValueError, KeyError):
+            return None
+    return None
+
+
+class CpuWatch:
+    """CPU seconds the machine spent outside a process tree while it ran: the noise of a shared machine.
+
+    Every ``every_s`` it reads the machine's busy time (``/proc/stat``) and
+    the CPU times of the tree's processes (the driver, its local cluster, and
+    any ``roots`` such as a joined head's processes); a process's last
+    fraction of a period before it exits is missed, so "others" is a slight
+    overestimate.
+    """
+
+    def __init__(self, root_pid: int, extra_roots: Callable[[], list[int]] = lambda: [], every_s: float = 0.25):
+        self._root, self._extra, self._every = root_pid, extra_roots, every_s
+        self._seen: dict[int, float] = {}
+        self.names: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._busy0, self._self0 = _machine_busy_s(), _own_cpu_s()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(self._every):
+            for pid in [self._root, *self._extra()]:
+                try:
+                    procs = [psutil.Process(pid)]
+                    procs += procs[0].children(recursive=True)
+                except psutil.Error:
+                    continue
+                for p in procs:
+                    try:
+                        t = p.cpu_times()
+                        self._seen[p.pid] = max(self._seen.get(p.pid, 0.0), t.user + t.system)
+                        name = _process_name(p)
+                        if name != "ray::IDLE" or p.pid not in self.names:  # keep the actor it became
+                            self.names[p.pid] = name
+                    except psutil.Error:
+                        pass
+
+    def by_process(self) -> dict[str, float]:
+        """CPU seconds per kind of process (a Ray worker by its actor, or ``ray::IDLE``)."""
+        out: dict[str, float] = {}
+        for pid, cpu in self._seen.items():
+            name = self.names.get(pid, "?")
+            out[name] = round(out.get(name, 0.0) + cpu, 2)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def stop(self) -> tuple[float, float]:
+        """(CPU seconds of the tree, CPU seconds of everything else) since the start."""
+        self._stop.set()
+        self._thread.join()
+        mine = sum(self._seen.values())
+        watching = _own_cpu_s() - self._self0  # this process's polling, not the others'
+        return mine, max(0.0, _machine_busy_s() - self._busy0 - mine - watching)
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _process_name(p) -> str:
+    """``ray::Actor`` for a Ray worker, else the program and its first telling argument."""
+    cmd = p.cmdline()
+    if cmd and cmd[0].startswith("ray::"):
+        return cmd[0].split()[0].split(".")[0]  # ray::TrainController.run -> ray::TrainController
+    words = [os.path.basename(c) for c in cmd[:3] if not c.startswith("-")]
+    return " ".join(w for w in words if w and not w.startswith("python"))[:40] or p.name()
+
+
+def _machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900,
+             extra_roots: Callable[[], list[int]] = lambda: []) -> dict:
+    """One run of the job; its milestones (seconds since the command) and processes."""
+    run_dir = os.path.join(workdir, "runs", name)
+    cmd = [sys.executable, str(JOB), *options, "--name", name, "--storage-path", os.path.join(workdir, "runs")]
+    stdout_times: dict = {}
+    first_step: list = []
+    start = time.time()
+    stdout_times["start"] = start
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch = CpuWatch(proc.pid, extra_roots)
+    output: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("graph ") and "graph" not in stdout_times:
+                stdout_times["graph"] = time.time()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    progress = os.path.join(run_dir, PROGRESS_FILE)
+    while proc.poll() is None and time.time() - start < timeout:
+        if not first_step and os.path.exists(progress):
+            first_step.append(time.time())
+            mine_s, others_s = watch.stop()  # up to the first step: what start-up had of the machine
+        time.sleep(0.02)
+    if not first_step:
+        mine_s, others_s = watch.stop()
+    if proc.poll() is None:
+        proc.kill()
+    reader.join(10)
+    exit_time = time.time()
+    if proc.returncode:
+        raise RuntimeError(f"the job exited with {proc.returncode}:\n{''.join(output[-20:])}")
+    logs = session_logs(env["RAY_TMPDIR"], proc.pid)
+    if logs is None:
+        raise RuntimeError(f"no Ray session logs of driver {proc.pid} under {env['RAY_TMPDIR']}")
+    times, procs = milestones(logs, proc.pid, stdout_times, first_step[0] if first_step else None)
+    rel = {k: (round(v - start, 2) if v else None) for k, v in times.items()}
+    # Others' share of the machine until the first step: near 0 on an idle machine, 0.5 when another job
+    # kept one of two cores busy.
+    until = (first_step[0] if first_step else exit_time) - start
+    others_share = others_s / (until * (os.cpu_count() or 1))
+    return dict(milestones=rel, total_s=round(exit_time - start, 2), logs=logs, cpu_s=round(mine_s, 1),
+                cpu_by_process=watch.by_process(),
+                others_cpu_s=round(others_s, 1), others_share=round(others_share, 3),
+                processes=[{**p, **{k: round(p[k] - start, 2) for k in ("launched", "registered", "constructed")
+                                    if p[k]}} for p in procs])
+
+
+def idle_fraction(seconds: float = 2.0) -> float:
+    """Share of the machine's CPU time that was idle over the next ``seconds`` (``/proc/stat``)."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)  # idle + iowait, total
+
+    (i0, t0), _ = sample(), time.sleep(seconds)
+    i1, t1 = sample()
+    return (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_until_idle(share: float, patience_s: float = 600) -> float:
+    """Wait (at most ``patience_s``) until at least ``share`` of the CPU is idle; the share seen last."""
+    deadline = time.time() + patience_s
+    while True:
+        seen = idle_fraction()
+        if seen >= share or time.time() > deadline:
+            return seen
+
+
+class Head:
+    """A Ray head of our own (``ray start --head``), stopped by its processes' ids, not by ``ray stop``."""
+
+    def __init__(self, tmpdir: str, port: int, dashboard_port: int, num_cpus: int, env: dict):
+        self.tmpdir, self.address, self.env = tmpdir, f"127.0.0.1:{port}", env
+        ray = str(Path(sys.executable).with_name("ray"))
+        subprocess.run([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard_port}",
+                        "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
+                        "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
+
+    def pids(self) -> list[int]:
+        """The head's own processes (their children, the workers, are found from them)."""
+        import psutil
+
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.tmpdir in part for part in p.info["cmdline"] or []):
+                    found.append(p.pid)
+            except psutil.Error:
+                pass
+        return found
+
+    def stop(self) -> None:
+        import psutil
+
+        mine = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.tmpdir in part for part in p.info["cmdline"] or []):
+                    mine.append(p)
+            except psutil.Error:
+                pass
+        for p in mine:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(mine, timeout=15)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def summary(runs: list[dict]) -> dict:
+    """Median of each milestone over ``runs`` (those that reached it)."""
+    out = {}
+    for key in MILESTONES:
+        values = [r["milestones"][key] for r in runs if r["milestones"].get(key) is not None]
+        out[key] = round(statistics.median(values), 2) if values else None
+    return out
+
+
+def table(medians: dict, runs: int) -> str:
+    lines = [f"{'milestone':<22} {'s':>7}  (median of {runs} runs, seconds since the command)"]
+    for key, what in MILESTONES.items():
+        v = medians.get(key)
+        lines.append(f"{key:<22} {'-' if v is None else f'{v:7.2f}':>7}  {what}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3, help="runs (each a new process; a new cluster unless --join)")
+    p.add_argument("--join", action="store_true", help="start one head (ray start --head) and join it")
+    p.add_argument("--port", type=int, default=26379, help="the head's GCS port (--join)")
+    p.add_argument("--dashboard-port", type=int, default=28265, help="the head's dashboard port (--join)")
+    p.add_argument("--num-cpus", type=int, default=4, help="the head's logical CPUs (--join)")
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="before each run wait (up to 10 min) until this share of the CPU is idle, e.g. 0.8 on a "
+                   "shared machine")
+    p.add_argument("--json", default=None, help="also write every run's milestones and processes here")
+    p.add_argument("--label", default="", help="a note stored with the results (e.g. what was changed)")
+    args = p.parse_args(argv)
+
+    workdir = tempfile.mkdtemp(prefix="gnnray-startup-")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_TMPDIR"] = workdir
+    head = None
+    if args.join:
+        head = Head(workdir, args.port, args.dashboard_port, args.num_cpus, env)
+        env["RAY_ADDRESS"] = head.address
+    runs = []
+    try:
+        for i in range(args.runs):
+            idle = wait_until_idle(args.idle) if args.idle else None
+            r = run_once(DEFAULT_OPTIONS + extra, env, workdir, f"startup{i}", extra_roots=head.pids if head else list)
+            r["idle_before"] = idle
+            runs.append(r)
+            m = r["milestones"]
+            print(f"run {i}: first_step={m['first_step']}s others_share={r['others_share']} "
+                  + " ".join(f"{k}={v}" for k, v in m.items() if k != "first_step"), flush=True)
+    finally:
+        if head:
+            head.stop()
+    # On a joined head the first run also pays for the head's first job (workers, imports): shown apart.
+    later = runs[1:] if args.join and len(runs) > 1 else runs
+    print(table(summary(later), len(later)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(label=args.label, join=args.join, options=DEFAULT_OPTIONS + extra, runs=runs,
+                           median=summary(later), load=os.getloadavg()), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

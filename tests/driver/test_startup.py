@@ -1,0 +1,71 @@
+"""Start-up: the driver starts Ray before it imports torch, and the stream starts before the ranks ask for it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from drills import REPO
+
+
+def test_driver_modules_import_no_torch_and_no_ray_train():
+    """What runs before Ray starts stays light: torch is imported in a thread while Ray starts."""
+    code = ("import sys, gnnray.driver.cli, gnnray.driver.fit, gnnray.driver.launch; "
+            "print(sorted(m for m in ('torch', 'dgl', 'ray.train', 'ray.data') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def _counting_dataset(ray, rows: int, counter):
+    """``rows`` ids through an actor pool that tells ``counter`` about each call."""
+    import ray.data
+
+    class Count:
+        def __call__(self, batch):
+            counter.add.remote(len(batch["id"]))
+            return batch
+
+    return ray.data.range(rows, override_num_blocks=rows // 5).map_batches(
+        Count, batch_size=None, compute=ray.data.ActorPoolStrategy(size=1), num_cpus=0)
+
+
+def test_started_split_samples_before_the_ranks_ask_and_splits_equally(ray_cluster):
+    import ray.data
+
+    from gnnray.driver.split import StartedSplit
+
+    @ray_cluster.remote(num_cpus=0)
+    class Counter:
+        def __init__(self):
+            self.rows = 0
+
+        def add(self, n):
+            self.rows += n
+
+        def get(self):
+            return self.rows
+
+    counter = Counter.remote()
+    config = StartedSplit(_counting_dataset(ray_cluster, 40, counter), 2, ray.data.ExecutionOptions(preserve_order=True))
+    # Nobody reads yet: the stream runs anyway (Ray Data's default budget lets it run to the end here).
+    deadline = time.monotonic() + 120
+    while ray_cluster.get(counter.get.remote()) == 0:
+        assert time.monotonic() < deadline, "the stream did not start before a rank asked for it"
+        time.sleep(0.2)
+
+    splits = [shard["train"] for shard in config.configure({"train": None}, 2, None, None)]
+    with pytest.raises(ValueError, match="split 2 ways for 3 workers"):
+        config.configure({"train": None}, 3, None, None)
+
+    @ray_cluster.remote(num_cpus=0)
+    def read(split, epochs):  # as a rank reads its shard: pickled to another process, iterated per epoch
+        return [sorted(int(i) for b in split.iter_batches(batch_size=None) for i in b["id"]) for _ in range(epochs)]
+
+    first, second = ray_cluster.get([read.remote(s, 2) for s in splits])
+    for epoch in range(2):  # the driver's epoch, then one the ranks start themselves
+        assert len(first[epoch]) == len(second[epoch]) == 20
+        assert sorted(first[epoch] + second[epoch]) == list(range(40))
