@@ -332,7 +332,7 @@ class Head:
         self.tmpdir, self.address, self.env = tmpdir, f"127.0.0.1:{port}", env
         ray = str(Path(sys.executable).with_name("ray"))
         subprocess.run([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard_port}",
-                        "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
+                        "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
                         "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
 
     def pids(self) -> list[int]:
