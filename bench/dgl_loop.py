@@ -54,7 +54,7 @@ class DglLoop:
         self._graph, self._cfg, self._workers, self._affinity = graph, cfg, loader_workers, affinity
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # int64 structure, as DGL users load graphs (and DGL 2.1's fused sampler is wrong on int32 ones with
-        # more than one thread; gnnray's Sampler works around it).
+        # more than one thread).
         self._g = to_dgl(dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64),
                                              indices=graph.indices.astype(np.int64)))
         self._feat, self._label = readonly_tensor(graph.feat), readonly_tensor(graph.label)

@@ -31,6 +31,17 @@ is loopback between the stores):
    graph (papers100M's regime, see :func:`bench_extrapolation`) input nodes
    per seed, the cache hit rate at 0.1 and 0.3, and the share of rows a
    reader on a shard node fetches remotely with K = 2, 4, 8 contiguous shards.
+6. **The driver's memory** (:func:`bench_driver_memory`): a fresh driver
+   process publishes feature tables of two widths with K = 3 (rows generated
+   on the shard nodes; a typed graph's table read into memory and spilled)
+   and with K = 1 (the driver loads the table: the growth the measurement must
+   see); its peak RSS, and RSS, USS and ``VmData`` after publishing.
+7. **CPU per steady epoch** (:func:`bench_cluster_cpu`): ``fit.run`` with
+   K = 3 and K = 1, the CPU-seconds of this process and all its descendants
+   (the simulated cluster's daemons and workers: the job's processes alone)
+   between consecutive ``metrics.jsonl`` lines after the first; the machine's
+   ``/proc/stat`` busy time beside it, which other processes on a shared
+   machine pollute.
 
 The graph: a synthetic structure (``nodes``, average in-degree
 ``avg_degree``, reverse edges) written as a graph directory whose training
@@ -89,6 +100,11 @@ class ShardSettings:
     small_reach: float = 0.02  # the small batch reaches at most this share of the graph's nodes
     small_reach_seeds: int = 4096  # seeds sampled in small batches per graph
     extrapolation_shards: tuple = (2, 4, 8)
+    # CPU of the job's processes per steady epoch: epochs per run, (K=1, K=3) pairs.
+    cpu_epochs: int = 4
+    cpu_pairs: int = 1
+    memory_dims: tuple = (128, 512)  # the driver's memory with feature tables of these widths
+    limit_gb: float = 2.25  # RLIMIT_DATA of the driver publishing a table twice that (its VmData is ~1.9 GB)
     seed: int = 0
 
 
@@ -585,6 +601,196 @@ def bench_cluster_training(ss: ShardSettings, data, workdir: Path, out: dict) ->
                             first_epoch_loss=loss0))]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# 6-7. CPU of the job's own processes per steady epoch; the driver's memory against the feature table.
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU-seconds (user + system, all threads) of ``root`` and every live process descended from it.
+
+    The simulated cluster's daemons and workers descend from the process that
+    started it, so this is the job's CPU alone; ``/proc/stat`` would add every
+    other process on a shared machine (other engineers' test clusters here).
+    """
+    kids: dict = {}
+    cpu: dict = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        kids.setdefault(int(stat[1]), []).append(int(pid))
+        cpu[int(pid)] = (int(stat[11]) + int(stat[12])) / _TICK
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        total += cpu.get(pid, 0.0)
+        stack.extend(kids.get(pid, ()))
+    return total
+
+
+def bench_cluster_cpu(ss: ShardSettings, data, workdir: Path, out: dict) -> list[Row]:
+    """CPU-seconds of the job's processes per steady epoch (epochs 2.., each window one epoch line to the
+    next), K = max(shards) against K = 1, alternating; the whole machine's busy CPU beside it (polluted)."""
+    import threading
+
+    from bench.cpu import machine_busy_s
+    from gnnray.driver.fit import run
+
+    k = max(ss.shards)
+    s = Settings(quick=ss.quick, cores=2, fanouts=ss.fanouts, batch_size=ss.batch_size, hidden=ss.hidden,
+                 epochs=ss.cpu_epochs, seed=ss.seed)
+    runs: dict = {1: [], k: []}
+    for pair in range(ss.cpu_pairs):
+        for shards in ((1, k) if pair % 2 == 0 else (k, 1)):
+            name = f"cpu-{shards}-{pair}"
+            cfg = job_config(dataclasses.replace(data, feature_shards=shards, feature_cache=ss.cache), s, workdir,
+                             name)
+            log = Path(cfg.run.storage_path) / name / "metrics.jsonl"
+            snaps, stop = [], threading.Event()
+
+            def watch() -> None:
+                seen = 0
+                while not stop.wait(0.05):
+                    try:
+                        n = log.read_text().count("\n")
+                    except OSError:
+                        continue
+                    if n > seen:
+                        seen = n
+                        snaps.append((time.perf_counter(), tree_cpu_s(os.getpid()), machine_busy_s()))
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            run(cfg)
+            stop.set()
+            watcher.join()
+            windows = [dict(wall_s=b[0] - a[0], job_cpu_s=b[1] - a[1], machine_cpu_s=b[2] - a[2])
+                       for a, b in zip(snaps, snaps[1:])]
+            runs[shards].append(windows)
+            print(f"  K={shards}: job CPU-s per steady epoch "
+                  + ", ".join(f"{w['job_cpu_s']:.1f}" for w in windows)
+                  + " (machine: " + ", ".join(f"{w['machine_cpu_s']:.1f}" for w in windows) + ")", flush=True)
+    out["cpu"] = dict(runs=runs, epochs=ss.cpu_epochs, load_avg_1min=os.getloadavg()[0])
+    med = {shards: statistics.median(w["job_cpu_s"] for ws in rs for w in ws) for shards, rs in runs.items()}
+    machine = {shards: statistics.median(w["machine_cpu_s"] for ws in rs for w in ws) for shards, rs in runs.items()}
+    ratio = med[k] / med[1]
+    return [Row(f"{FIGURE}: CPU-s of the job's processes per steady epoch, K={k} vs K=1 (median of "
+                f"{sum(map(len, runs[k]))} / {sum(map(len, runs[1]))} windows; machine-wide "
+                f"{machine[k]:.1f} / {machine[1]:.1f}, shared)", ours=f"{med[k]:.1f}", baseline=f"{med[1]:.1f}",
+                ratio=f"{ratio:.2f}x", target="<= 1.25x", met="yes" if ratio <= 1.25 else "no",
+                detail=out["cpu"])]
+
+
+# Run in a child process (its own peak RSS): publish with --feature-shards and report the driver's memory.
+_DRIVER_PROBE = """
+import ctypes, json, resource, sys
+import psutil
+limit = int(sys.argv[2])
+if limit:
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+from gnnray.config import JobConfig, DataConfig, RunConfig
+from gnnray.driver import launch
+spec = json.loads(sys.argv[1])
+pub = launch.load_and_publish(JobConfig(data=DataConfig(**spec["data"]), run=RunConfig(**spec["run"])))
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+info = psutil.Process().memory_full_info()
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+# VmHWM (this process's peak RSS), not ru_maxrss, which keeps the forking parent's across exec.
+print("RESULT" + json.dumps(dict(peak_rss=int(status["VmHWM"].split()[0]) * 1024, rss=info.rss,
+                                 uss=info.uss, vm_data=int(status["VmData"].split()[0]) * 1024,
+                                 source=type(pub.source).__name__)))
+"""
+
+
+def driver_memory(address: str, data, name: str, workdir: Path, limit_bytes: int = 0) -> dict:
+    """The driver's peak RSS, and RSS and USS after publishing ``data``, in a fresh process joining ``address``
+    (under ``RLIMIT_DATA`` = ``limit_bytes`` if given: private memory past it fails the process)."""
+    import subprocess
+    import sys
+
+    spec = dict(data=dataclasses.asdict(data), run=dict(name=name, storage_path=str(workdir / "runs")))
+    env = dict(os.environ, RAY_ADDRESS=address)
+    proc = subprocess.run([sys.executable, "-c", _DRIVER_PROBE, json.dumps(spec), str(limit_bytes)], env=env,
+                          capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parents[1])
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        return dict(failed=f"exit {proc.returncode}: {tail}")
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def bench_driver_memory(cl: SimulatedCluster, ss: ShardSettings, data, workdir: Path, out: dict) -> list[Row]:
+    """The driver's memory with feature tables of two widths: generated on the shard nodes (K = 3), loaded by
+    the driver (K = 1: the baseline the measurement must see grow), and read into driver memory then
+    spilled (synthetic-hetero, K = 3: the load peaks, what stays after publishing must not grow)."""
+    from gnnray.config import DataConfig
+
+    k = max(ss.shards)
+    res = {}
+    for dim in ss.memory_dims:
+        cases = {f"K={shards} generated": dataclasses.replace(data, random_features=dim, feature_shards=shards,
+                                                              feature_cache=ss.cache) for shards in (1, k)}
+        cases[f"K={k} spilled"] = DataConfig(dataset="synthetic-hetero", synthetic_nodes=ss.nodes * 2 // 3,
+                                             synthetic_feat_dim=dim, feature_shards=k, feature_cache=ss.cache)
+        for case, d in cases.items():
+            key = f"{case} D={dim}"
+            res[key] = dict(table_bytes=ss.nodes * dim * 4,
+                            **driver_memory(cl.cluster.address, d, f"mem-{len(res)}", workdir))
+            print(f"  driver memory, {key}: {res[key]}", flush=True)
+    out["driver_memory"] = res
+    a, b = ss.memory_dims
+    table = ss.nodes * (b - a) * 4 / MIB
+
+    def grow(case: str, what: str) -> float:
+        return (res[f"{case} D={b}"][what] - res[f"{case} D={a}"][what]) / MIB
+
+    return [Row(f"{FIGURE}: driver's peak RSS growth, feature table {a} -> {b} dims (+{table:.0f} MiB), "
+                f"K={k} generated vs K=1", ours=f"+{grow(f'K={k} generated', 'peak_rss'):.1f} MiB",
+                baseline=f"+{grow('K=1 generated', 'peak_rss'):.1f} MiB", target="does not grow with the table",
+                met="yes" if grow(f"K={k} generated", "peak_rss") < 0.1 * table else "no", detail=res),
+            Row(f"{FIGURE}: driver's USS after publishing, growth {a} -> {b} dims, K={k} spilled (typed graph, "
+                f"table read into memory)", ours=f"+{grow(f'K={k} spilled', 'uss'):.1f} MiB",
+                baseline=f"peak +{grow(f'K={k} spilled', 'peak_rss'):.1f} MiB", target="does not grow with the table",
+                met="yes" if grow(f"K={k} spilled", "uss") < 0.1 * table else "no")]
+
+
+def bench_driver_limit(ss: ShardSettings, workdir: Path, verbose: bool, out: dict) -> list[Row]:
+    """A feature table twice the driver's limit: the driver runs under ``RLIMIT_DATA`` (its private writable
+    memory: heap, thread stacks; the object store's shared pages are not counted) of ``limit_gb``, and
+    publishes a generated table of twice that with K = 3 (must succeed) and K = 1 (must fail: the baseline
+    that shows the limit bites). Its own cluster: 3 nodes with stores that fit a third of the table each."""
+    from gnnray.config import DataConfig
+
+    limit = int(ss.limit_gb * 1e9)
+    dim = int(2 * limit / (ss.nodes * 4)) + 1
+    table = ss.nodes * dim * 4
+    need = (table / 3 + 0.1 * table + 64 * MIB) / 0.9  # shard + cache + structure, at most 90% of a store
+    cl = SimulatedCluster(dataclasses.replace(ss, store_mib=int(need / MIB) + 64), verbose)
+    res = {}
+    try:
+        for shards in (3, 1):
+            d = DataConfig(dataset="synthetic", synthetic_nodes=ss.nodes, synthetic_feat_dim=dim,
+                           feature_shards=shards, feature_cache=ss.cache)
+            res[f"K={shards}"] = driver_memory(cl.cluster.address, d, f"limit-{shards}", workdir, limit)
+            print(f"  driver under RLIMIT_DATA {limit / 1e9:.2f} GB, table {table / 1e9:.2f} GB, K={shards}: "
+                  f"{res[f'K={shards}']}", flush=True)
+    finally:
+        cl.close()
+    out["driver_limit"] = dict(limit_bytes=limit, table_bytes=table, dim=dim, runs=res)
+    ok = "failed" not in res["K=3"] and "failed" in res["K=1"]
+    return [Row(f"{FIGURE}: driver under RLIMIT_DATA {limit / 1e9:.2f} GB, feature table {table / 1e9:.2f} GB",
+                ours="K=3: " + ("failed" if "failed" in res["K=3"] else
+                                f"published, peak RSS {res['K=3']['peak_rss'] / MIB:.0f} MiB"),
+                baseline="K=1: " + ("failed" if "failed" in res["K=1"] else "published"),
+                target="K=3 publishes", met="yes" if ok else "no", detail=out["driver_limit"])]
+
+
 def run_section(ss: ShardSettings, workdir: Path, verbose: bool, result: dict,
                 guarded: Callable[[str, str, Callable[[], list]], list]) -> list[Row]:
     """The whole section: sampling only first (no Ray), then the cluster's figures; each stage guarded."""
@@ -606,6 +812,9 @@ def run_section(ss: ShardSettings, workdir: Path, verbose: bool, result: dict,
     try:
         rows += guarded(f"{FIGURE}: gathers", "", lambda: bench_cluster_gathers(cl, ss, data, out))
         rows += guarded(f"{FIGURE}: training", "", lambda: bench_cluster_training(ss, data, workdir, out))
+        rows += guarded(f"{FIGURE}: driver memory", "", lambda: bench_driver_memory(cl, ss, data, workdir, out))
+        rows += guarded(f"{FIGURE}: CPU per epoch", "", lambda: bench_cluster_cpu(ss, data, workdir, out))
     finally:
         cl.close()
+    rows += guarded(f"{FIGURE}: driver under a limit", "", lambda: bench_driver_limit(ss, workdir, verbose, out))
     return rows

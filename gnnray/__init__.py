@@ -26,7 +26,7 @@ step  file                        runs on                 output
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
   wire format, ``stream.py`` builds the Ray Data stream in one place.
 - ``train/``: what a Ray Train worker runs, plus ``embedding.py`` (``--embedding-dim``)
-  and ``checkpoint.py`` (written by rank 0, chosen by the driver).
+  and ``checkpoint.py`` (written by rank 0 and, for embedding rows, by their owners; chosen by the driver).
 - ``driver/``: ``cli.py`` (exit codes) -> ``fit.py`` (resume, restarts, final
   evaluation); ``launch.py`` (init Ray, load, publish; shared with
   ``predict.py``), ``preflight.py`` (storage and cluster checks),

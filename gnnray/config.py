@@ -78,6 +78,9 @@ class DataConfig(_Options):
                                            "for ogbn-arxiv, papers100M, synthetic and typed graphs, no for untyped "
                                            "graph directories); on a typed graph each relation's reverse is a "
                                            "relation of its own, rev_<relation>")
+    symmetric_relations: bool = option(False, "on a typed graph with reverse edges, a relation between nodes of one "
+                                       "type (cites: paper to paper) and its reverse are one symmetric relation, "
+                                       "as in DGL's MAG240M example, not r and rev_r")
     self_loops: bool = option(False, "add a self loop to every node")
     random_features: int = option(0, "random features of this dimension for a graph without features (load tests "
                                   "only: they carry no signal)", metavar="DIM", **at_least(0))
@@ -144,7 +147,7 @@ class ModelConfig(_Options):
 
     name: str = option("sage", "GraphSAGE (SAGEConv mean), GAT (GATConv) or GCN (GraphConv); gat and gcn want "
                        "--self-loops; on typed graphs rgat (a GATConv per relation, the MAG240M example's RGAT) "
-                       "and rsage (a SAGEConv per relation), the others ignoring types", flag="--model",
+                       "and rsage (one self-projection and a neighbor projection per relation), the others ignoring types", flag="--model",
                        choices=("sage", "gat", "gcn", "rgat", "rsage"))
     hidden: int = option(256, "hidden feature size (per head for gat and rgat)", **at_least(1))
     heads: int = option(4, "attention heads of gat's hidden layers and of rgat's layers", **at_least(1))

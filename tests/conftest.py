@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -80,13 +81,20 @@ def tiny_graph(num_nodes: int = 40, num_edges: int = 200, feat_dim: int = 4, num
 SHARD_NODE_STORE = 80 * 2**20
 
 
-@pytest.fixture(scope="module")
-def shard_nodes(cluster, ray_cluster):
-    """Three simulated nodes with one CPU and an 80 MiB object store each, removed after the module.
+def mapping_perms(address: int) -> str:
+    """This process's permissions on the memory mapping that holds ``address`` (``r--s``: a read-only shared map)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.split()[1]
+    return ""
 
-    Yields the list of Ray's node objects; a test may remove one (``cluster.remove_node``).
-    """
-    added = [cluster.add_node(num_cpus=1, object_store_memory=SHARD_NODE_STORE) for _ in range(3)]
+
+@contextlib.contextmanager
+def _simulated_nodes(cluster, count: int):
+    """``count`` simulated nodes with one CPU and a SHARD_NODE_STORE object store each, removed afterwards."""
+    added = [cluster.add_node(num_cpus=1, object_store_memory=SHARD_NODE_STORE) for _ in range(count)]
     cluster.wait_for_nodes()
     try:
         yield added
@@ -95,6 +103,23 @@ def shard_nodes(cluster, ray_cluster):
             if n in cluster.worker_nodes:
                 cluster.remove_node(n)
         cluster.wait_for_nodes()
+
+
+@pytest.fixture(scope="module")
+def shard_nodes(cluster, ray_cluster):
+    """Three simulated nodes with one CPU and an 80 MiB object store each, removed after the module.
+
+    Yields the list of Ray's node objects; a test may remove one (``cluster.remove_node``).
+    """
+    with _simulated_nodes(cluster, 3) as added:
+        yield added
+
+
+@pytest.fixture(scope="module")
+def five_shard_nodes(cluster, ray_cluster):
+    """As ``shard_nodes``, five of them: room to rebuild two lost shards on two spare nodes."""
+    with _simulated_nodes(cluster, 5) as added:
+        yield added
 
 
 @pytest.fixture

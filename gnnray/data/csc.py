@@ -4,9 +4,9 @@
 Reverse edges are added by :func:`bidirected_csc` straight into the CSC, in
 chunks, so a billion-edge graph is not copied several times on the way.
 The builders work in int64; :func:`compact_csc`, applied once to the finished
-CSC (:meth:`~gnnray.data.graph.GraphParts.build`), stores it as int32 where
-ids and offsets fit, which halves the structure's bytes and is a layout DGL
-samples from without a copy.
+CSC (:meth:`~gnnray.data.graph.GraphParts.build`), stores each array as int32
+where its values fit (node ids in ``indices``, offsets in ``indptr``), which
+halves the structure's bytes; GraphBolt samples from it without a copy.
 """
 
 from __future__ import annotations
@@ -99,28 +99,31 @@ def typed_csc(src: np.ndarray, dst: np.ndarray, etype: np.ndarray, n: int, num_r
     return indptr, indices, types
 
 
-def structure_dtype(num_nodes: int, num_edges: int) -> np.dtype:
-    """The dtype of a graph's ``indptr`` and ``indices``: int32 while every offset and node id fits, else int64.
+def structure_dtypes(num_nodes: int, num_edges: int) -> tuple[np.dtype, np.dtype]:
+    """The dtypes of a graph's ``(indptr, indices)``: each int32 while its values fit, else int64.
 
-    Both arrays get the same dtype: DGL's ``dgl.graph(("csc", ...))`` rejects
-    an int64 ``indptr`` beside int32 ``indices``, and with both int32 it uses
-    the arrays as they are (the graph's ``idtype`` is then int32).
     ``indptr`` holds offsets up to ``num_edges``, ``indices`` node ids below
-    ``num_nodes``.
+    ``num_nodes``. Past 2**31 edges (papers100M, MAG240M with reverse edges)
+    only ``indptr`` widens: ``indices``, the big array, stays int32, E x 4
+    bytes less on every node. GraphBolt samples that mixed pair as it is
+    (:func:`~gnnray.data.store.to_graphbolt`); DGL's ``dgl.graph`` would not.
     """
-    return np.dtype(np.int32 if num_edges < 2**31 and num_nodes < 2**31 else np.int64)
+    def fits(count: int) -> np.dtype:
+        return np.dtype(np.int32 if count < 2**31 else np.int64)
+
+    return fits(num_edges), fits(num_nodes)
 
 
 def compact_csc(indptr: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(indptr, indices)`` in :func:`structure_dtype`: int32 below 2**31 edges and nodes, else unchanged.
+    """``(indptr, indices)`` in :func:`structure_dtypes`: each int32 where its values fit, else unchanged.
 
-    One ``astype`` copy per array: at the peak the int64 pair and the int32
+    One ``astype`` copy per narrowed array: at the peak the int64 pair and the int32
     copies are alive, 1.5 times the int64 structure. Rebind the names to the result
     (``indptr, indices = compact_csc(indptr, indices)``) so that the int64
     arrays are freed on return.
     """
-    dtype = structure_dtype(int(indptr.shape[0]) - 1, int(indices.shape[0]))
-    return indptr.astype(dtype, copy=False), indices.astype(dtype, copy=False)
+    ptr_dtype, idx_dtype = structure_dtypes(int(indptr.shape[0]) - 1, int(indices.shape[0]))
+    return indptr.astype(ptr_dtype, copy=False), indices.astype(idx_dtype, copy=False)
 
 
 def etype_dtype(num_relations: int) -> np.dtype:

@@ -5,8 +5,11 @@ each shard's rows are produced on the shard's own node (:mod:`gnnray.data.shards
 by ``source.rows(lo, hi, label)``. A source is small and picklable: the
 synthetic generator (deterministic per seed and row, whatever the range), a
 memory-mapped ``.npy`` file at the same path on every node (OGB's extracted
-arrays, MAG240M's float16 table), or, for graphs read into driver memory, the
-rows themselves (:class:`ArrayRows` ships only the range it is asked for).
+arrays, MAG240M's float16 table), a graph directory's ``nodes.parquet``
+(:class:`ParquetRows`, only the row groups of the range), or, for graphs read
+into driver memory (:class:`ArrayRows`), a spill: the table written once at
+load, one ``.npy`` file per shard under the run's directory (:func:`spill`),
+after which the driver drops it. A lost shard is rebuilt from the same source.
 
 With one shard the same source is read whole (:func:`materialize`), so K=1 and
 K=3 train on identical features.
@@ -14,6 +17,7 @@ K=3 train on identical features.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -41,6 +45,11 @@ class FeatureSource:
         """A source that can still produce ``[lo, hi)``, as small as possible to ship to another node."""
         return self
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether it holds rows in this process (then :func:`spill` writes them out for the shards)."""
+        return False
+
 
 @dataclass
 class ArrayRows(FeatureSource):
@@ -57,6 +66,10 @@ class ArrayRows(FeatureSource):
 
     def part(self, lo, hi):
         return ArrayRows(np.ascontiguousarray(self.array[lo - self.offset:hi - self.offset]), lo)
+
+    @property
+    def in_memory(self):
+        return self.array.size > 0
 
 
 @dataclass
@@ -125,6 +138,128 @@ class Normalized(FeatureSource):
 
     def part(self, lo, hi):
         return Normalized(self.source.part(lo, hi))
+
+    @property
+    def in_memory(self):
+        return self.source.in_memory
+
+
+@dataclass
+class SpilledRows(FeatureSource):
+    """A table spilled by :func:`spill`: file ``i`` of ``files`` holds rows ``bounds[i]:bounds[i + 1]``."""
+
+    files: tuple
+    bounds: tuple
+
+    def __post_init__(self):
+        first = _open_spill(self.files[0])
+        self.num_rows, self.dim, self.dtype = self.bounds[-1], first.shape[1], first.dtype
+
+    def rows(self, lo, hi, label=None):
+        parts = [_open_spill(f)[max(lo, a) - a:min(hi, b) - a] for f, a, b in self._files(lo, hi)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def part(self, lo, hi):
+        files = self._files(lo, hi)
+        return SpilledRows(tuple(f for f, _, _ in files), (files[0][1],) + tuple(b for _, _, b in files))
+
+    def _files(self, lo: int, hi: int) -> list:
+        b = self.bounds
+        return [(f, b[i], b[i + 1]) for i, f in enumerate(self.files) if b[i] < hi and b[i + 1] > lo]
+
+
+def _open_spill(path: str) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r")
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read this spilled feature shard on this node ({exc}); with several "
+                           f"nodes --storage-path must be shared storage that every node mounts at the same "
+                           f"path") from None
+
+
+def spill(source: FeatureSource, bounds: np.ndarray, directory: str, dtype: str,
+          label: Optional[np.ndarray] = None) -> FeatureSource:
+    """``source`` written once as one ``.npy`` file per shard (rows ``bounds[i]:bounds[i + 1]``, as ``dtype``)
+    under ``directory`` if it holds its rows in this process; any other source as it is.
+
+    Files are written under a temporary name and renamed, so a reader never sees half a file.
+    """
+    if not source.in_memory:
+        return source
+    os.makedirs(directory, exist_ok=True)
+    files, k = [], len(bounds) - 1
+    for i in range(k):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        path = os.path.join(directory, f"shard-{i}-of-{k}.npy")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            np.save(f, np.ascontiguousarray(source.rows(lo, hi, label), dtype=dtype))
+        os.replace(tmp, path)
+        files.append(path)
+    spilled = SpilledRows(tuple(files), tuple(int(b) for b in bounds))
+    spilled.where = source.where
+    return spilled
+
+
+class ParquetRows(FeatureSource):
+    """An untyped graph directory's ``feat`` column, read on the node that asks.
+
+    Only the row groups whose ``id`` statistics overlap the range asked for
+    are read (all of a group without statistics), one at a time: a shard node
+    reads about 1/K of the file. Rows may be in any id order: each group's
+    rows whose ``id`` falls in the range are placed by id. Memory: the range's
+    rows plus one row group.
+    """
+
+    def __init__(self, path: str, num_rows: int):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.path, self.num_rows = path, num_rows
+        t = pq.read_schema(path).field("feat").type
+        if not pa.types.is_fixed_size_list(t):
+            raise DatasetError(f"{path}: column 'feat' has type {t}; an untyped graph needs a fixed-size list of "
+                               f"float32 (one feature vector per node)")
+        self.dim, self.dtype = t.list_size, np.dtype(t.value_type.to_pandas_dtype())
+        self.where = f"{path}: column 'feat'"
+
+    def row_groups(self, meta, lo: int, hi: int) -> list:
+        """The row groups of ``meta`` (``ParquetFile.metadata``) that may hold ids in ``[lo, hi)``."""
+        column = meta.schema.names.index("id")
+        keep = []
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(column).statistics
+            if stats is None or not stats.has_min_max or (stats.min < hi and stats.max >= lo):
+                keep.append(g)
+        return keep
+
+    def rows(self, lo, hi, label=None):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        out = np.zeros((hi - lo, self.dim), dtype=self.dtype)
+        found = 0
+        try:
+            f = pq.ParquetFile(self.path)
+            for g in self.row_groups(f.metadata, lo, hi):
+                batch = f.read_row_group(g, columns=["id", "feat"])
+                ids = batch.column(0).to_numpy().astype(np.int64, copy=False)
+                keep = (ids >= lo) & (ids < hi)
+                if not keep.any():
+                    continue
+                col = batch.column(1).filter(pa.array(keep)).combine_chunks()
+                if col.null_count:
+                    raise DatasetError(f"{self.where} has null values; fill them, or make it a typed graph (a "
+                                       f"column 'type') whose featureless nodes get their neighbors' mean")
+                out[ids[keep] - lo] = col.flatten().to_numpy(zero_copy_only=False).reshape(-1, self.dim)
+                found += int(keep.sum())
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"{self.path}: cannot read it on this node ({exc}); every node that holds a feature "
+                               f"shard needs the graph directory at this path (shared storage, or a copy)") from None
+        if found != hi - lo:  # ids were checked unique and complete on the driver: the file changed since
+            raise DatasetError(f"{self.path}: found {found} rows for ids {lo}..{hi - 1}, expected {hi - lo}; was "
+                               f"the file changed while the job ran?")
+        return out
 
 
 def chunked_random(seed: int, lo: int, hi: int, dim: int, uniform: bool = False) -> np.ndarray:

@@ -17,16 +17,17 @@ class Graph:
     """A node-classification graph as plain numpy arrays.
 
     The structure is the in-edge CSC: the in-neighbors of node ``v`` are
-    ``indices[indptr[v]:indptr[v + 1]]``, the layout DGL samples in-edges from
-    without building another format.
+    ``indices[indptr[v]:indptr[v + 1]]``, the layout GraphBolt samples in-edges
+    from without building another format.
 
     Attributes:
-        indptr: ``(num_nodes + 1,)``, int32 or int64, the same dtype as
-            ``indices``: int32 below 2**31 edges and nodes, int64 past that
-            (:func:`~gnnray.data.csc.structure_dtype`), the layout DGL samples
-            from without a copy (its graph's ``idtype`` is this dtype).
-        indices: ``(num_edges,)``, int32 or int64 as ``indptr``, source node
-            of each in-edge.
+        indptr: ``(num_nodes + 1,)``, int32 below 2**31 edges, int64 past
+            that (:func:`~gnnray.data.csc.structure_dtypes`).
+        indices: ``(num_edges,)``, source node of each in-edge: int32 below
+            2**31 nodes, int64 past that, whatever ``indptr``'s dtype.
+            GraphBolt samples any such pair without a copy
+            (:func:`~gnnray.data.store.to_graphbolt`); sampled ids come in
+            this dtype.
         feat: float32, ``(num_nodes, feat_dim)``.
         label: int64, ``(num_nodes,)``; ``-1`` marks unlabelled nodes.
         train_idx: int64 node ids of the training split.

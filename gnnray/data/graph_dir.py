@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gnnray.data.features import FeatureSource
+from gnnray.data.features import ParquetRows
 from gnnray.data.graph import SPLITS, GraphParts, check_ids
 from gnnray.errors import DatasetError
 
@@ -281,46 +281,3 @@ def _feat_column(table, file: Path) -> tuple[np.ndarray, np.ndarray]:
     feat = np.zeros((has.size, dim), dtype=np.float32)
     feat[has] = values.reshape(-1, dim)
     return feat, has
-
-
-class ParquetRows(FeatureSource):
-    """An untyped graph directory's ``feat`` column, read on the node that asks, a row group at a time.
-
-    Rows may be in any id order: each batch's rows whose ``id`` falls in the
-    range asked for are placed by id. Memory: the range's rows plus one batch.
-    """
-
-    BATCH_ROWS = 1 << 16
-
-    def __init__(self, path: str, num_rows: int):
-        self.path, self.num_rows = path, num_rows
-        t = pq.read_schema(path).field("feat").type
-        if not pa.types.is_fixed_size_list(t):
-            raise DatasetError(f"{path}: column 'feat' has type {t}; an untyped graph needs a fixed-size list of "
-                               f"float32 (one feature vector per node)")
-        self.dim, self.dtype = t.list_size, np.dtype(t.value_type.to_pandas_dtype())
-        self.where = f"{path}: column 'feat'"
-
-    def rows(self, lo, hi, label=None):
-        out = np.zeros((hi - lo, self.dim), dtype=self.dtype)
-        found = 0
-        try:
-            batches = pq.ParquetFile(self.path).iter_batches(batch_size=self.BATCH_ROWS, columns=["id", "feat"])
-            for batch in batches:
-                ids = batch.column(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-                keep = (ids >= lo) & (ids < hi)
-                if not keep.any():
-                    continue
-                col = batch.column(1).filter(pa.array(keep))
-                if col.null_count:
-                    raise DatasetError(f"{self.where} has null values; fill them, or make it a typed graph (a "
-                                       f"column 'type') whose featureless nodes get their neighbors' mean")
-                out[ids[keep] - lo] = col.flatten().to_numpy(zero_copy_only=False).reshape(-1, self.dim)
-                found += int(keep.sum())
-        except (pa.ArrowException, OSError) as exc:
-            raise DatasetError(f"{self.path}: cannot read it on this node ({exc}); every node that holds a feature "
-                               f"shard needs the graph directory at this path (shared storage, or a copy)") from None
-        if found != hi - lo:  # ids were checked unique and complete on the driver: the file changed since
-            raise DatasetError(f"{self.path}: found {found} rows for ids {lo}..{hi - 1}, expected {hi - lo}; was "
-                               f"the file changed while the job ran?")
-        return out

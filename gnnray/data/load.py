@@ -20,6 +20,7 @@ from gnnray.config import DataConfig
 from gnnray.data.features import (ArrayRows, FeatureSource, Normalized, RandomRows, check_finite, materialize,
                                   source_of)
 from gnnray.data.graph import Graph, GraphParts
+from gnnray.data.typed import symmetric_relations
 from gnnray.data.validate import validate
 from gnnray.errors import DatasetError
 
@@ -92,6 +93,11 @@ def load_structure(cfg: DataConfig, seed: int = 0) -> tuple[Graph, FeatureSource
                            f"{parts.num_nodes} nodes; it needs one row per node")
     parts.feat = np.zeros((parts.num_nodes, 0), dtype=np.dtype(feat.dtype))
     graph = parts.build(cfg.reverse_edges, cfg.self_loops)
+    if cfg.symmetric_relations:  # DGL's MAG240M example's relation set
+        if graph.etype is None:
+            raise DatasetError(f"{source}: --symmetric-relations applies to typed graphs, and this graph has no "
+                               f"edge types; leave the option out")
+        graph = symmetric_relations(graph)
     validate(graph, source, parts.origins)
     feat.where = parts.origins.get("feat", source)
     return graph, feat

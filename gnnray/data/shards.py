@@ -13,21 +13,26 @@ actor on the shard's node reads it zero-copy and answers one gather call per
 
 The cache: the ``--feature-cache`` share of nodes with the highest in-degree
 (the ones neighbor sampling reaches most), their rows gathered once from the
-servers and put into the object store; each node pulls one copy the first
-time a process there reads it.
+servers by a task on the driver's node (its result stays in that node's
+store; the driver process never holds the rows); each node pulls one copy the
+first time a process there reads it.
+
+Lost shards (:func:`repair`, after a failed attempt) are made again from the
+same source, each on its own alive node that still has room for it.
 
 What readers do with this handle is :mod:`gnnray.pipeline.features`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
 
 from gnnray.data.features import FeatureSource, check_finite
-from gnnray.errors import ClusterError, DatasetError, FeatureShardError, last_line, size_text
+from gnnray.errors import ClusterError, FeatureShardError, GnnrayError, last_line, size_text
 
 # Share of a node's object store the graph may take (as preflight.GRAPH_STORE_FRACTION): the rest holds
 # mini-batches in flight and the rows being fetched.
@@ -132,13 +137,16 @@ def cache_ids(indptr: np.ndarray, fraction: float) -> np.ndarray:
 
 
 def choose_nodes(k: int, structure_bytes: int, shard_bytes: int, cache_bytes: int, cluster: list,
-                 driver_node: str) -> list:
-    """The ``k`` nodes to hold shards: those whose store fits structure, shard and cache; GPU nodes first.
+                 driver_node: str, held: Optional[dict] = None) -> list:
+    """``k`` distinct nodes to get one more shard each: those whose store fits the structure, the cache, the
+    shards they hold already (``held``: bytes by node id; given when repairing) and one more shard.
+
+    Nodes holding no shard first, then GPU nodes (the train workers run there), the driver's node last.
 
     Raises:
-        ClusterError: Fewer than ``k`` nodes fit, or a node cannot hold even the structure and cache.
+        ClusterError: Fewer than ``k`` nodes fit (saying how many more nodes of what store size are
+            missing), or a node cannot hold even the structure and cache.
     """
-    need = structure_bytes + shard_bytes + cache_bytes
     for n in cluster:
         if structure_bytes + cache_bytes > STORE_FRACTION * n.object_store_bytes:
             raise ClusterError(
@@ -146,16 +154,28 @@ def choose_nodes(k: int, structure_bytes: int, shard_bytes: int, cache_bytes: in
                 f"the graph structure ({size_text(structure_bytes)}) and the feature cache "
                 f"({size_text(cache_bytes)}) must fit in {STORE_FRACTION:.0%} of it on every node. Lower "
                 f"--feature-cache, or give every node a larger store (`ray start --object-store-memory BYTES`)")
-    fits = [n for n in cluster if need <= STORE_FRACTION * n.object_store_bytes]
-    # GPU nodes first (the train workers run there: their reads of a local shard stay on the node), the
-    # driver's node last (it holds the primary copies of the structure and the cache already).
-    fits.sort(key=lambda n: (n.node_id == driver_node, -n.gpus, -n.object_store_bytes, n.node_id))
+    has = held or {}
+    need = structure_bytes + shard_bytes + cache_bytes
+    fits = [n for n in cluster if need + has.get(n.node_id, 0) <= STORE_FRACTION * n.object_store_bytes]
+    # The driver's node last: it holds the primary copies of the structure and the cache already.
+    fits.sort(key=lambda n: (has.get(n.node_id, 0), n.node_id == driver_node, -n.gpus, -n.object_store_bytes,
+                             n.node_id))
     if len(fits) < k:
+        missing = (f"missing: {k - len(fits)} more node(s) with an object store of at least "
+                   f"{size_text(need / STORE_FRACTION)}")
+        if held is not None:
+            raise ClusterError(
+                f"cannot rebuild {k} lost feature shard(s): each needs its own alive node with room for the "
+                f"structure ({size_text(structure_bytes)}) + cache ({size_text(cache_bytes)}) + the shards it "
+                f"holds already + one shard of {size_text(shard_bytes)} (at most {STORE_FRACTION:.0%} of its "
+                f"store), and {len(fits)} of the {len(cluster)} alive nodes have it; {missing}. Add nodes and run "
+                f"again with the same --name (it resumes)")
         raise ClusterError(
             f"--feature-shards {k}: each shard node needs {size_text(need)} of object store (structure "
             f"{size_text(structure_bytes)} + shard {size_text(shard_bytes)} + cache {size_text(cache_bytes)}, "
             f"at most {STORE_FRACTION:.0%} of its store) and {len(fits)} of the cluster's {len(cluster)} nodes "
-            f"can hold that; add nodes, raise --feature-shards (smaller shards) or lower --feature-cache")
+            f"can hold that ({missing}); add nodes, raise --feature-shards (smaller shards) or lower "
+            f"--feature-cache")
     return fits[:k]
 
 
@@ -168,45 +188,58 @@ def build(source: FeatureSource, structure_ref: list, indptr: np.ndarray, nodes:
     bounds = shard_bounds(source.num_rows, len(nodes))
     shards = tuple(_create(source, int(bounds[i]), int(bounds[i + 1]), node, structure_ref, dtype)
                    for i, node in enumerate(nodes))
-    handle = ShardedFeatures(shards, source.num_rows, source.dim, dtype, None, timeout_s)
+    handle = ShardedFeatures(shards, source.num_rows, source.dim, dtype, None, timeout_s,
+                             cache_nbytes(source.num_rows, source.dim, dtype, cache_fraction))
     try:
         _wait_ready(handle)
     except FeatureShardError:  # a node lost meanwhile (it may still be listed alive): once more, elsewhere
         handle = repair(handle, source, structure_ref, alive(), structure_bytes)
-    cache = _build_cache(handle, indptr, cache_fraction)
-    return replace(handle, cache=cache, cache_bytes=cache_nbytes(source.num_rows, source.dim, dtype, cache_fraction))
+    return replace(handle, cache=_build_cache(handle, indptr, cache_fraction))
 
 
 def repair(handle: ShardedFeatures, source: FeatureSource, structure_ref: list, cluster: list,
            structure_bytes: int) -> ShardedFeatures:
-    """Rebuild the shards whose node or server was lost on other nodes (after a failed attempt, on the driver)."""
+    """Rebuild the shards whose node or server was lost (after a failed attempt, on the driver).
+
+    Each lost shard goes to its own alive node that still fits it beside what it holds
+    (:func:`choose_nodes`); if there are not enough, :class:`ClusterError` says what is missing.
+    """
     import ray
 
-    alive = {n.node_id for n in cluster}
-    lost = []
-    for i, s in enumerate(handle.shards):
-        ok = s.node_id in alive
-        if ok:
-            try:
-                ray.get(s.server.ping.remote(), timeout=handle.timeout_s)
-            except Exception:
-                ok = False
-        if not ok:
-            lost.append(i)
+    lost = _lost(handle, {n.node_id for n in cluster})
     if not lost:
         return handle
-    holding = {s.node_id for i, s in enumerate(handle.shards) if i not in lost}
+    held: dict = {}
+    for i, s in enumerate(handle.shards):
+        if i not in lost:
+            held[s.node_id] = held.get(s.node_id, 0) + handle.shard_bytes
     gone = {handle.shards[i].node_id for i in lost}
     usable = [n for n in cluster if n.node_id not in gone]
-    candidates = choose_nodes(1, structure_bytes, handle.shard_bytes, handle.cache_bytes,
-                              [n for n in usable if n.node_id not in holding] or usable, "")
+    nodes = choose_nodes(len(lost), structure_bytes, handle.shard_bytes, handle.cache_bytes, usable,
+                         ray.get_runtime_context().get_node_id(), held)
     shards = list(handle.shards)
-    for j, i in enumerate(lost):
-        node = candidates[j % len(candidates)]
+    for i, node in zip(lost, nodes):
         shards[i] = _create(source, handle.shards[i].lo, handle.shards[i].hi, node, structure_ref, handle.dtype)
     handle = replace(handle, shards=tuple(shards))
     _wait_ready(handle)
     return handle
+
+
+def _lost(handle: ShardedFeatures, alive: set) -> list:
+    """Indices of the shards whose node is not in ``alive`` or whose server does not answer a ping."""
+    import ray
+
+    lost = [i for i, s in enumerate(handle.shards) if s.node_id not in alive]
+    pings = {handle.shards[i].server.ping.remote(): i for i in range(len(handle.shards)) if i not in lost}
+    done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=handle.timeout_s) if pings else ([], [])
+    for ref, i in pings.items():
+        try:
+            if ref not in done:
+                raise TimeoutError
+            ray.get(ref)
+        except Exception:  # any failure of the ping: the shard is rebuilt
+            lost.append(i)
+    return sorted(lost)
 
 
 def _create(source: FeatureSource, lo: int, hi: int, node, structure_ref: list, dtype: str) -> Shard:
@@ -226,42 +259,119 @@ def _create(source: FeatureSource, lo: int, hi: int, node, structure_ref: list, 
 
 def _wait_ready(handle: ShardedFeatures) -> None:
     """Wait until every shard is made and served; a data error inside a shard task is raised as itself."""
-    import ray
-    import ray.exceptions
-
     wait = max(600.0, handle.timeout_s)  # a shard may be read from disk: minutes, not seconds
-    for s in handle.shards:
-        try:
-            ray.get(s.made[0], timeout=wait)
-            ray.get(s.server.ping.remote(), timeout=wait)
-        except ray.exceptions.RayTaskError as exc:
-            if isinstance(exc.cause, DatasetError):
-                raise exc.cause from None
-            raise FeatureShardError(f"feature shard {s.lo}:{s.hi} could not be made on {s.where()}: "
-                                    f"{last_line(exc)}") from None
-        except ray.exceptions.GetTimeoutError:
-            raise FeatureShardError(f"feature shard {s.lo}:{s.hi} was not ready on {s.where()} after "
-                                    f"{wait:.0f}s") from None
-        except ray.exceptions.RayError as exc:  # its node or server lost
-            raise FeatureShardError(f"feature shard {s.lo}:{s.hi} could not be served on {s.where()}: "
-                                    f"{last_line(exc)}") from None
+    # Not cancelled on a failure: the other shards are fine, and a repair keeps them.
+    wait_calls([(s, s.made[0]) for s in handle.shards], wait, "could not be made", cancel=False)
+    wait_calls([(s, s.server.ping.remote()) for s in handle.shards], wait, "could not be served", cancel=False)
+
+
+def route(starts: np.ndarray, ids: np.ndarray, skip: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of ``ids`` grouped by shard: ``order[at[k]:at[k + 1]]`` are those in shard ``k`` (``starts``:
+    each shard's first row), and ``order[at[-1]:]`` those masked by ``skip`` (e.g. cached rows).
+
+    One stable sort of the owners, a linear radix sort for small integers: the cost does not grow with K.
+    """
+    owner = (np.searchsorted(starts, ids, side="right") - 1).astype(np.int16 if len(starts) < 2**15 else np.int64)
+    if skip is not None:
+        owner[skip] = len(starts)
+    order = np.argsort(owner, kind="stable")
+    return order, np.searchsorted(owner[order], np.arange(len(starts) + 1))
+
+
+# What wait_calls says of a failed gather call (and how it knows to name --feature-timeout).
+GATHER = "did not deliver rows"
+
+
+def wait_calls(calls: list, timeout_s: float, failing: str, each: Optional[Callable] = None,
+               cancel: bool = True) -> list:
+    """The results of ``calls`` (``(shard, ObjectRef)`` pairs), waited for together under one deadline.
+
+    ``each(i, result)`` runs as each result arrives (the rest may still be on the way). The first failure
+    (timeout, dead server, lost object, error in the call) raises :class:`FeatureShardError` naming the
+    shard and its node (at the deadline: every shard still pending), after cancelling the calls still
+    pending if ``cancel``. A user-facing error inside a call (e.g. a :class:`DatasetError` of a shard task)
+    is raised as itself.
+    """
+    import ray
+
+    refs = [ref for _, ref in calls]
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list = [None] * len(calls)
+    pending, deadline = refs, time.monotonic() + timeout_s
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [calls[index[r]][0] for r in pending]
+                raise FeatureShardError(" and ".join(f"feature shard {s.lo}:{s.hi} on {s.where()}" for s in late)
+                                        + f" {failing}: no answer within {timeout_s:g}s"
+                                        + (" (--feature-timeout)" if failing == GATHER else ""))
+            for ref in ready:
+                i = index[ref]
+                results[i] = _result(calls[i][0], ref, failing)
+                if each is not None:
+                    each(i, results[i])
+    except BaseException:
+        for ref in pending if cancel else ():  # nobody waits for them any more: spare the servers the work
+            try:
+                ray.cancel(ref)
+            except Exception:
+                pass
+        raise
+    return results
+
+
+def _result(shard: Shard, ref, failing: str):
+    import ray
+    import ray.exceptions as rex
+
+    try:
+        return ray.get(ref)
+    except rex.RayActorError as exc:
+        why = f"its server died, node lost? ({last_line(exc)})"
+    except rex.ObjectLostError as exc:
+        why = f"the result was lost before it arrived, node lost? ({type(exc).__name__})"
+    except rex.TaskCancelledError:
+        why = "the call was cancelled"
+    except rex.RayTaskError as exc:
+        if isinstance(exc.cause, GnnrayError):
+            raise exc.cause from None
+        why = f"the call failed: {last_line(exc)}"
+    except rex.RayError as exc:
+        why = last_line(exc)
+    raise FeatureShardError(f"feature shard {shard.lo}:{shard.hi} on {shard.where()} {failing}: {why}") from None
 
 
 def _build_cache(handle: ShardedFeatures, indptr: np.ndarray, fraction: float) -> Optional[list]:
+    """The cache object, gathered from the servers by a task on the driver's node: it lives in that node's
+    store (as durable as the structure) and the driver process never holds its rows."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ids = cache_ids(indptr, fraction)
     if ids.size == 0 or handle.dim == 0:
         return None
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    ref, count = ray.remote(_gather_cache).options(scheduling_strategy=here, num_cpus=0, max_retries=0,
+                                                   num_returns=2).remote(handle, ids)
+    # The small second return raises the task's error (naming the shard that failed it) without the rows.
+    wait_calls([(handle.shards[0], count)], max(600.0, handle.timeout_s), "could not fill the cache")
+    return [ref]
+
+
+def _gather_cache(handle: ShardedFeatures, ids: np.ndarray) -> tuple[dict, int]:
     rows = np.empty((ids.size, handle.dim), dtype=handle.dtype)
-    starts = np.array([s.lo for s in handle.shards])
-    owner = np.searchsorted(starts, ids, side="right") - 1
-    calls = [(owner == k, s.server.gather.remote(ids[owner == k] - s.lo)) for k, s in enumerate(handle.shards)]
-    for mask, call in calls:
-        rows[mask] = ray.get(call, timeout=max(600.0, handle.timeout_s))
+    order, at = route(np.array([s.lo for s in handle.shards]), ids)
+    parts = [order[at[k]:at[k + 1]] for k in range(len(handle.shards))]
+    calls = [(s, s.server.gather.remote(ids[p] - s.lo)) for s, p in zip(handle.shards, parts)]
+
+    def put(k, got):
+        rows[parts[k]] = got
+
+    wait_calls(calls, max(600.0, handle.timeout_s), GATHER, put)
     slot = np.full(handle.num_rows, -1, dtype=np.int32)
     slot[ids] = np.arange(ids.size, dtype=np.int32)
-    return [ray.put({"slot": slot, "rows": rows})]
+    return {"slot": slot, "rows": rows}, ids.size
 
 
 def shard_nbytes(num_rows: int, dim: int, dtype: str, k: int) -> int:

@@ -5,17 +5,21 @@ order with ``ntype`` saying which), every edge has a relation code aligned
 with the CSC's ``indices`` (``Graph.etype``), and one feature table has a row
 for every node. Nodes without features get the mean of their neighbors'
 features (:func:`fill_features`), computed once at load, in rounds: authors
-from their papers, then institutions from their authors.
+from their papers, then institutions from their authors. :func:`relation_csc`
+builds a typed CSC from per-relation (memory-mapped) edge files without
+stacking them (MAG240M); :func:`symmetric_relations` gives the MAG240M
+example's relation set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
 import numpy as np
 
-from gnnray.data.graph import GraphParts
+from gnnray.data.graph import Graph, GraphParts
 from gnnray.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -73,9 +77,6 @@ def fill_features(feat: np.ndarray, has_feat: np.ndarray, src: np.ndarray, dst: 
     """
     from gnnray.data.csc import CHUNK_EDGES, csc_from_edges
 
-    import torch
-
-    n, dim = feat.shape
     missing = ~np.asarray(has_feat, dtype=bool)
     if not missing.any():
         return 0
@@ -87,8 +88,21 @@ def fill_features(feat: np.ndarray, has_feat: np.ndarray, src: np.ndarray, dst: 
             keep = missing[node]
             ends.append(node[keep])
             nbrs.append(other[keep])
-    indptr, nbr = csc_from_edges(np.concatenate(nbrs), np.concatenate(ends), n)
+    indptr, nbr = csc_from_edges(np.concatenate(nbrs), np.concatenate(ends), feat.shape[0])
     del ends, nbrs
+    return fill_rounds(feat, missing, indptr, nbr, chunk_bytes)
+
+
+def fill_rounds(feat: np.ndarray, missing: np.ndarray, indptr: np.ndarray, nbr: np.ndarray,
+                chunk_bytes: int = FILL_CHUNK_BYTES) -> int:
+    """The rounds of :func:`fill_features`, given each node's neighbors (both directions) as a CSC.
+
+    Only the lists of ``missing`` nodes are read. Returns how many nodes were
+    left without a neighbor with features.
+    """
+    import torch
+
+    n, dim = feat.shape
     available, todo = ~missing, np.flatnonzero(missing)
     step_edges = max(1, chunk_bytes // (4 * max(dim, 1)))
     while todo.size:
@@ -140,3 +154,71 @@ def relation_codes(names: np.ndarray, declared: Sequence[str], what: str) -> np.
     lookup = np.array([index[v] for v in values.tolist()], dtype=np.int64)
     return lookup[inverse].reshape(-1)
 
+
+
+class EdgeColumn:
+    """Row ``row`` of a ``(2, E)`` edge array (0: sources, 1: destinations) as global ids, read by slices.
+
+    ``offset`` is the first global id of the row's node type. What
+    :func:`relation_csc` reads from a memory-mapped edge file a chunk at a
+    time, without a copy of the whole row.
+    """
+
+    def __init__(self, edge_index: np.ndarray, row: int, offset: int):
+        self.edge_index, self.row, self.offset = edge_index, row, offset
+        self.shape = (int(edge_index.shape[1]),)
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        return np.asarray(self.edge_index[self.row, s], dtype=np.int64) + self.offset
+
+
+def relation_csc(num_nodes: int, streams: Sequence[tuple], num_codes: int) -> tuple:
+    """In-edge CSC ``(indptr, indices, etype)`` of edge streams ``(src, dst, code)``, each read a chunk at a time.
+
+    ``src`` and ``dst`` are sliceable columns of global ids (arrays or
+    :class:`EdgeColumn`); every edge of a stream has relation ``code``. The
+    arrays are written straight in their final dtypes
+    (:func:`~gnnray.data.csc.structure_dtypes`, int8 codes): peak memory is the
+    result plus two ``num_nodes`` int64 counters and chunk temporaries,
+    however large the (memory-mapped) inputs.
+    """
+    from gnnray.data.csc import CHUNK_EDGES, _scatter, etype_dtype, structure_dtypes
+
+    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
+    for _, dst, _ in streams:
+        for a in range(0, dst.shape[0], CHUNK_EDGES):
+            indptr[1:] += np.bincount(dst[a:a + CHUNK_EDGES], minlength=num_nodes)
+    np.cumsum(indptr, out=indptr)
+    ptr_dtype, idx_dtype = structure_dtypes(num_nodes, int(indptr[-1]))
+    indices = np.empty(int(indptr[-1]), dtype=idx_dtype)
+    etype = np.empty(int(indptr[-1]), dtype=etype_dtype(num_codes))
+    free = indptr[:-1].copy()  # next unwritten slot of each node's segment
+    for src, dst, code in streams:
+        for a in range(0, dst.shape[0], CHUNK_EDGES):
+            d = dst[a:a + CHUNK_EDGES]
+            _scatter(indices, free, src[a:a + CHUNK_EDGES], d, etype, np.full(d.size, code, dtype=etype.dtype))
+    del free
+    return indptr.astype(ptr_dtype, copy=False), indices, etype
+
+
+def symmetric_relations(graph: Graph) -> Graph:
+    """``graph`` with each relation between nodes of one type and its reverse (``r``, ``rev_r``) as one relation ``r``.
+
+    DGL's MAG240M example's relation set: ``cites`` (paper to paper) holds
+    both directions, while ``writes`` and ``affiliated_with`` keep their
+    reverses. The codes are rewritten in place a chunk at a time (no copy of
+    the edge types); the other relations keep their order.
+    """
+    from gnnray.data.csc import CHUNK_EDGES
+
+    code = {t: i for i, t in enumerate(graph.edge_types)}
+    merged = {code[(d, f"rev_{r}", s)]: code[(s, r, d)] for s, r, d in graph.edge_types
+              if s == d and (d, f"rev_{r}", s) in code}
+    if not merged:
+        return graph
+    kept = [i for i in range(len(code)) if i not in merged]
+    renumber = {old: new for new, old in enumerate(kept)}
+    table = np.array([renumber[merged.get(i, i)] for i in range(len(code))], dtype=graph.etype.dtype)
+    for a in range(0, graph.etype.size, CHUNK_EDGES):
+        graph.etype[a:a + CHUNK_EDGES] = table[graph.etype[a:a + CHUNK_EDGES]]
+    return dataclasses.replace(graph, edge_types=tuple(graph.edge_types[i] for i in kept))

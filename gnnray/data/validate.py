@@ -30,12 +30,13 @@ def validate(graph: Graph, source: str, origins: Optional[dict] = None) -> None:
         a = getattr(graph, name)
         if not isinstance(a, np.ndarray) or a.dtype not in _STRUCTURE_DTYPES or a.ndim != 1:
             fail(f"{name} must be a 1-D int32 or int64 array, got {_describe(a)}")
-    if graph.indptr.dtype != graph.indices.dtype:
-        fail(f"indptr and indices must have the same dtype (both int32, or both int64 past 2**31 edges or nodes), "
-             f"got {graph.indptr.dtype} indptr and {graph.indices.dtype} indices; DGL samples only such a pair")
-    if graph.indptr.dtype == np.int32 and (graph.indptr.size > 2**31 or graph.indices.size >= 2**31):
-        fail(f"int32 indptr and indices hold fewer than 2**31 nodes and edges, this graph has "
-             f"{graph.indptr.size - 1} nodes and {graph.indices.size} edges; store both as int64")
+    # Each array is as wide as its own values need (data/csc.py, structure_dtypes): GraphBolt samples any pair.
+    if graph.indptr.dtype == np.int32 and graph.indices.size >= 2**31:
+        fail(f"int32 indptr holds offsets below 2**31, this graph has {graph.indices.size} edges; "
+             f"store indptr as int64")
+    if graph.indices.dtype == np.int32 and graph.indptr.size > 2**31:
+        fail(f"int32 indices hold node ids below 2**31, this graph has {graph.indptr.size - 1} nodes; "
+             f"store indices as int64")
     for name in ("label", "train_idx", "valid_idx", "test_idx"):
         a = getattr(graph, name)
         if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1:

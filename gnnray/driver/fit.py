@@ -178,6 +178,14 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, cfg.train.num_workers, cfg.run.seed)
+    selectors = beside_shards(cfg, setup.graph, use_gpu, preflight.nodes())  # None: Ray Train places them
+    placed = sum(1 for s in selectors or () if s)
+    if setup.graph.features is not None and placed < cfg.train.num_workers:
+        from gnnray.driver import console
+
+        console.say(f"note: {placed} of {cfg.train.num_workers} train workers placed beside a feature shard (the "
+                    f"shard nodes' CPUs and GPUs, less room for sampler actors, hold no more); Ray Train places the "
+                    f"others")
     stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu)
     split = StartedSplit(stream, cfg.train.num_workers, execution_options())
     trainer = TorchTrainer(
@@ -186,6 +194,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.train.num_workers, use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+            label_selector=selectors,
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
@@ -209,6 +218,52 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         split.shutdown()
 
 
+# Every Ray node carries its id under this label with no set-up; Ray's own code places work by it.
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def beside_shards(cfg: JobConfig, handle: GraphHandle, use_gpu: bool, cluster: list) -> Optional[list]:
+    """With ``--feature-shards``: Ray Train's ``label_selector``, one per worker, that puts workers on shard nodes.
+
+    A worker beside a shard reads its rows zero-copy: ``(1 - h)(K - 1)/K``
+    of a batch's rows are remote, against ``1 - h`` on a node without one.
+    Why a label selector on the node id: Ray Train applies it to the worker's
+    bundle of its own placement group (restarts and its controller work as
+    without), and unlike a custom resource it needs nothing declared when a
+    node starts. Workers go round-robin over the shard nodes (GPU nodes
+    first, as the shards were placed), as many on each as its CPUs and GPUs
+    hold after room for its share of the sampler actors (they start at the
+    same time, spread over the nodes, and must not take a worker's place);
+    the workers left get ``{}``: anywhere. ``None`` when the features are
+    not sharded or no shard node has room.
+
+    Args:
+        cluster: The alive nodes (:func:`gnnray.driver.preflight.nodes`).
+    """
+    features = handle.features
+    if features is None:
+        return None
+    cpu_nodes = max(1, sum(1 for n in cluster if n.cpus > 0))
+    sampler_cpus = math.ceil(cfg.sampler.actors_max / cpu_nodes) * cfg.sampler.cpus_per_actor
+    by_id = {n.node_id: n for n in cluster}
+    room = {}
+    for s in features.shards:
+        node = by_id.get(s.node_id)
+        if node is None or s.node_id in room:
+            continue
+        fit = (node.cpus - sampler_cpus) // cfg.train.cpus_per_worker
+        room[s.node_id] = int(max(0, min(fit, node.gpus) if use_gpu else fit))
+    selectors = []
+    while len(selectors) < cfg.train.num_workers and any(room.values()):
+        for node_id in room:
+            if room[node_id] > 0 and len(selectors) < cfg.train.num_workers:
+                selectors.append({NODE_ID_LABEL: node_id})
+                room[node_id] -= 1
+    if not selectors:
+        return None
+    return selectors + [{}] * (cfg.train.num_workers - len(selectors))
+
+
 def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph, handle: GraphHandle,
                 model_factory: Optional[ModelFactory], run_dir: str) -> checkpoint.CheckpointInfo:
     """With ``--eval layerwise``, replace the last checkpoint's sampled accuracies by layer-wise inference's.
@@ -222,6 +277,7 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
 
     if cfg.train.eval != "layerwise" or latest.metrics.get("eval") == "layerwise":
         return latest
+    # ``embedding``: the checkpoint directory, whose embedding shard files the inference actors read.
     model, embedding = layerwise.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
     if not layerwise.supports_layerwise(model):
         console.say(f"note: {type(model).__name__} has no layer(i, block, h): final accuracies are sampled")

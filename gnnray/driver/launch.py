@@ -121,7 +121,9 @@ class Published:
         handle: Its handle (this process owns the objects: it must outlive
             every user); ``handle.features`` names the shards.
         local: Whether the cluster is a local one (fixed size).
-        source: Where the shards' rows come from, to rebuild lost ones.
+        source: Where the shards' rows come from, to rebuild lost ones on any
+            node: files, a generator, or the spill of a table that was read into
+            memory (``features.spill``); never rows held by the driver.
     """
 
     graph: Graph
@@ -150,7 +152,20 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     graph, source = load_structure(cfg.data, cfg.run.seed)
     if model_check:
         model_check(source.dim, graph.num_classes)
+    # A table read into memory is written once, a file per shard, and dropped here (the only reference):
+    # shards, and lost ones later, are made from those files on their nodes.
+    source = _spill(cfg, graph, source)
     return _publish_sharded(cfg, graph, source)
+
+
+def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource:
+    """``features.spill`` under the run's directory (``STORAGE_PATH/NAME/feature-spill``)."""
+    from gnnray.data.features import spill
+    from gnnray.data.shards import shard_bounds
+
+    run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.storage_path)), cfg.run.name)
+    return spill(source, shard_bounds(source.num_rows, cfg.data.feature_shards),
+                 os.path.join(run_dir, "feature-spill"), cfg.data.feature_dtype, graph.label)
 
 
 def _import_torch() -> None:

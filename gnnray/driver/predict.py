@@ -82,6 +82,8 @@ def _predict(cfg, directory: str, output: str, with_embeddings: bool, work_dir: 
         loaded["model"], loaded["embedding"] = load_model(directory, cfg, feat_dim, num_classes)
 
     pub = load_and_publish(cfg, check)
+    # With --embedding-dim, ``embedding`` is the checkpoint directory: the inference actors memory-map the rows
+    # they need from its shard files; the table is never loaded here nor put in the object store.
     model, embedding = loaded["model"], loaded["embedding"]
     return run(pub.graph, pub.handle, model, embedding=embedding, work_dir=work_dir, batch_size=batch_size,
                actors=(cfg.sampler.actors_min, cfg.sampler.actors_max), cpus_per_actor=cfg.sampler.cpus_per_actor,

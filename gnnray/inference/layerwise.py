@@ -12,8 +12,10 @@ builds the full-neighbor block of its chunk with :class:`~gnnray.pipeline.sample
 (fanout ``-1``) and applies ``model.layer(i, block, h)``.
 
 Where the layers live: layer 0's input is the graph's features (object store)
-and, with ``--embedding-dim``, the trained embedding table, which the driver
-puts in the object store once. Each hidden layer's output is a ``.npy`` file in
+and, with ``--embedding-dim``, the trained embedding table, which each actor
+reads from the checkpoint's shard files, memory-mapped (:class:`CheckpointRows`:
+only the rows its chunks need; the driver never holds or publishes the table).
+Each hidden layer's output is a ``.npy`` file in
 a work directory (``num_nodes x width`` float32) that the actors write their
 rows into and the next layer's actors memory-map; no process ever holds it
 whole, and a layer's file is deleted once the next layer is done. The work
@@ -39,6 +41,7 @@ import torch
 from gnnray.errors import ConfigError
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
+from gnnray.pipeline.features import FeatureReader
 
 _SPLIT_CODES = {"train": 1, "valid": 2, "test": 3}
 
@@ -62,8 +65,8 @@ class InferenceResult:
 
 
 def load_model(directory: str, cfg, feat_dim: int, num_classes: int,
-               model_factory=None) -> tuple[torch.nn.Module, Optional[np.ndarray]]:
-    """Rebuild the trained model (eval mode, CPU) and embedding table from a checkpoint.
+               model_factory=None) -> tuple[torch.nn.Module, Optional[str]]:
+    """Rebuild the trained model (eval mode, CPU) from a checkpoint, and check its embedding table.
 
     Args:
         directory: The checkpoint directory.
@@ -73,8 +76,8 @@ def load_model(directory: str, cfg, feat_dim: int, num_classes: int,
         model_factory: The user model factory the run trained with, if any.
 
     Returns:
-        The model and the ``(num_nodes, dim)`` embedding table (``None``
-        without ``--embedding-dim``).
+        The model and, with ``--embedding-dim``, ``directory`` again: where
+        :func:`run`'s actors read the embedding rows (``None`` without).
 
     Raises:
         ConfigError: The checkpoint does not match the configuration.
@@ -95,16 +98,49 @@ def load_model(directory: str, cfg, feat_dim: int, num_classes: int,
                           f"({str(exc).splitlines()[0]}); was it written by a different model or dataset?") from None
     embedding = None
     if cfg.data.embedding_dim:
-        if "embedding" not in state:
-            raise ConfigError(f"checkpoint {directory} has no node embeddings but its configuration has "
-                              f"embedding_dim {cfg.data.embedding_dim}")
-        embedding = state["embedding"]["weight"].numpy()
+        info = checkpoint.embedding_info(directory)
+        if info is None or info["dim"] != cfg.data.embedding_dim:
+            has = "no node embeddings" if info is None else f"node embeddings of dim {info['dim']}"
+            raise ConfigError(f"checkpoint {directory} has {has} but its configuration has embedding_dim "
+                              f"{cfg.data.embedding_dim}")
+        embedding = directory
     return model.eval(), embedding
 
 
 def supports_layerwise(model: torch.nn.Module) -> bool:
     """Whether ``model`` exposes ``num_layers`` and ``layer(i, block, h)`` (the built-in models do)."""
     return callable(getattr(model, "layer", None)) and isinstance(getattr(model, "num_layers", None), int)
+
+
+class CheckpointRows(FeatureReader):
+    """The embedding rows of a checkpoint, read from its shard files memory-mapped (any number of shards),
+    or from an older checkpoint's ``state.pt`` (the whole table, memory-mapped too)."""
+
+    def __init__(self, directory: str):
+        from gnnray.train import checkpoint
+
+        super().__init__()
+        info = checkpoint.embedding_info(directory)
+        shards = sorted(info["shards"], key=lambda s: s["lo"])
+        self.dim = int(info["dim"])
+        self._starts = np.array([s["lo"] for s in shards] or [0], dtype=np.int64)
+        if shards:
+            self._parts = [np.load(os.path.join(directory, s["dir"], "weight.npy"), mmap_mode="r") for s in shards]
+        else:
+            state = torch.load(os.path.join(directory, checkpoint.STATE_FILE), map_location="cpu", mmap=True)
+            self._parts = [state["embedding"]["weight"].numpy()]
+
+    def gather(self, ids, out):
+        ids = np.asarray(ids, dtype=np.int64)
+        part = np.searchsorted(self._starts, ids, side="right") - 1
+        order = np.argsort(part, kind="stable")
+        bounds = np.searchsorted(part[order], np.arange(len(self._parts) + 1))
+        for k, rows in enumerate(self._parts):
+            p = order[bounds[k]:bounds[k + 1]]
+            if len(p):
+                out[p] = rows[ids[p] - self._starts[k]]
+        s = self._stats
+        s.batches, s.rows, s.local_rows = s.batches + 1, s.rows + len(ids), s.local_rows + len(ids)
 
 
 class LayerRunner:
@@ -162,7 +198,8 @@ class _LayerActor:
         if input_path is None:  # layer 0: features from the store, plus the embedding table if any
             from gnnray.pipeline.features import reader_for
 
-            inputs = [reader_for(self._graph, graph.features)] + ([ray.get(embedding[0])] if embedding else [])
+            inputs = [reader_for(self._graph, graph.features)] + ([_embedding_reader(embedding[0])] if embedding
+                                                                   else [])
             self._runner = LayerRunner(self._graph, self._model, layer, inputs)
 
     def __call__(self, batch: dict) -> dict:
@@ -197,7 +234,24 @@ class _LayerActor:
                 os.pwrite(f.fileno(), memoryview(rows[a:b]).cast("B"), self._offset + int(ids[a]) * rows[0].nbytes)
 
 
-def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding: Optional[np.ndarray] = None,
+def _embedding_reader(source):
+    """Layer 0's embedding rows: a checkpoint directory's shard files, or an array put in the store by a caller."""
+    import ray
+
+    return CheckpointRows(source) if isinstance(source, str) else ray.get(source)
+
+
+def _embedding_dim(embedding) -> int:
+    if embedding is None:
+        return 0
+    if isinstance(embedding, str):
+        from gnnray.train import checkpoint
+
+        return int(checkpoint.embedding_info(embedding)["dim"])
+    return int(embedding.shape[1])
+
+
+def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding=None,
         work_dir: Optional[str] = None, batch_size: int = 10_000, actors: tuple[int, int] = (1, 2),
         cpus_per_actor: float = 1.0, output: Optional[str] = None, with_embeddings: bool = False) -> InferenceResult:
     """Predict every node with layer-wise full-neighbor inference (call on the driver, Ray connected).
@@ -206,8 +260,9 @@ def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding:
         graph: The graph; the driver reads only labels and splits from it.
         handle: The same graph in the object store, for the actors.
         model: A model with ``num_layers`` and ``layer(i, block, h)``.
-        embedding: The learned ``(num_nodes, dim)`` embedding table, if the
-            model was trained with ``--embedding-dim``.
+        embedding: With ``--embedding-dim``, the checkpoint directory whose
+            embedding the actors read (:func:`load_model` returns it), or a
+            ``(num_nodes, dim)`` array that is then put in the object store.
         work_dir: Where the hidden layers' outputs are written (a fresh
             subdirectory, removed at the end); a temporary directory if
             ``None``. Needs ``num_nodes x width x 4`` bytes for two layers.
@@ -232,9 +287,13 @@ def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding:
     model = model.cpu().eval()
     start = time.perf_counter()
     n = graph.num_nodes
-    widths = _layer_widths(model, handle.feat_dim + (0 if embedding is None else embedding.shape[1]))
+    widths = _layer_widths(model, handle.feat_dim + _embedding_dim(embedding))
     model_ref = [ray.put(model)]
-    embedding_ref = [ray.put(np.ascontiguousarray(embedding, dtype=np.float32))] if embedding is not None else None
+    embedding_ref = None
+    if isinstance(embedding, str):  # read by the actors from the checkpoint's files
+        embedding_ref = [embedding]
+    elif embedding is not None:
+        embedding_ref = [ray.put(np.ascontiguousarray(embedding, dtype=np.float32))]
     if work_dir:
         os.makedirs(work_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="gnnray-inference-", dir=work_dir)

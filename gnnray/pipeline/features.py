@@ -11,7 +11,10 @@
   prefetch thread, the training step. This is the one place features are
   gathered: the servers return only the rows asked for, so each feature byte
   crosses the network once, and it lands in the prefetch slot's buffer
-  (pinned on a GPU) it is copied to the device from.
+  (pinned on a GPU) it is copied to the device from. Rows are routed to their
+  shards by one sort (``shards.route``), and the calls are waited for together
+  under one ``--feature-timeout`` per batch (``shards.wait_calls``): a failure
+  names the shard and its node, and the calls still pending are cancelled.
 
 float16 storage is widened to float32 while it is copied into the buffer.
 """
@@ -25,8 +28,7 @@ from typing import Optional
 import numpy as np
 
 from gnnray.data.graph import Graph
-from gnnray.data.shards import ShardedFeatures
-from gnnray.errors import FeatureShardError
+from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls
 
 
 @dataclass
@@ -116,48 +118,38 @@ class ShardedRows(FeatureReader):
             self._slot, self._cached = write_protected(cache["slot"]), write_protected(cache["rows"])
 
     def gather(self, ids, out):
-        import ray
-        import ray.exceptions
-
         ids = np.asarray(ids)
         s, n = self._stats, len(ids)
         if self.dim == 0:  # no features (--embedding-dim alone): nothing to fetch
             s.batches, s.rows = s.batches + 1, s.rows + n
             return
-        hit = self._slot[ids] >= 0 if self._slot is not None else np.zeros(n, dtype=bool)
-        owner = np.searchsorted(self._starts, ids, side="right") - 1
-        owner[hit] = -1
+        hit = self._slot[ids] >= 0 if self._slot is not None else None
+        order, at = route(self._starts, ids, hit)
         calls, local = [], []
         for k, shard in enumerate(self._h.shards):
-            mask = owner == k
-            if not mask.any():
-                continue
-            if k in self._local:
-                local.append((k, mask))
-            else:
-                calls.append((k, mask, shard.server.gather.remote(ids[mask] - shard.lo)))
-        if hit.any():
-            _take(self._cached, self._slot[ids[hit]], out, rows=hit)
-        for k, mask in local:
-            _take(self._local[k], ids[mask] - self._h.shards[k].lo, out, rows=mask)
+            pos = order[at[k]:at[k + 1]]
+            if pos.size and k in self._local:
+                local.append((k, pos))
+            elif pos.size:
+                calls.append((shard, pos, shard.server.gather.remote(ids[pos] - shard.lo)))
+        cached = order[at[-1]:]
+        if cached.size:
+            _take(self._cached, self._slot[ids[cached]], out, rows=cached)
+        for k, pos in local:
+            _take(self._local[k], ids[pos] - self._h.shards[k].lo, out, rows=pos)
         start = time.perf_counter()
-        for k, mask, call in calls:
-            shard = self._h.shards[k]
-            try:
-                rows = ray.get(call, timeout=self._h.timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise FeatureShardError(f"feature shard {shard.lo}:{shard.hi} on {shard.where()} did not answer "
-                                        f"within {self._h.timeout_s:g}s (--feature-timeout)") from None
-            except ray.exceptions.RayActorError:
-                raise FeatureShardError(f"feature shard {shard.lo}:{shard.hi} on {shard.where()} was lost (its "
-                                        f"server died: node lost?)") from None
-            out[mask] = rows
+
+        def put(i, rows):  # each shard's rows as they arrive, while the others are still on the way
+            out[calls[i][1]] = rows
             s.remote_bytes += rows.nbytes
+
+        # One deadline for all the calls, waited for together; a failure names its shard and node.
+        wait_calls([(shard, ref) for shard, _, ref in calls], self._h.timeout_s, GATHER, put)
         s.wait_s += time.perf_counter() - start
         s.batches, s.rows, s.remote_calls = s.batches + 1, s.rows + n, s.remote_calls + len(calls)
-        s.cached_rows += int(hit.sum())
-        s.local_rows += sum(int(m.sum()) for _, m in local)
-        s.remote_rows += sum(int(m.sum()) for _, m, _ in calls)
+        s.cached_rows += int(cached.size)
+        s.local_rows += sum(int(p.size) for _, p in local)
+        s.remote_rows += sum(int(p.size) for _, p, _ in calls)
 
 
 def reader_for(graph: Graph, features: Optional[ShardedFeatures]) -> FeatureReader:

@@ -9,6 +9,12 @@ stream, so the copy overlaps the current step's compute. Output:
 
 On CPU the same thread still does the copy and the feature gather, the costly
 parts, while the main thread computes.
+
+With learnable embeddings (``--embedding-dim``) the thread also reads the
+batch's embedding rows (``embedding.prefetch``, from the owners with
+``--feature-shards``); taking the batch brings them up to date
+(``embedding.complete``: rows a step updated since are read again) on the
+consumer's thread, inside the time counted as ``data_wait``.
 """
 
 from __future__ import annotations
@@ -81,10 +87,13 @@ class Prefetcher:
             (sharded features: remote rows are fetched here, on this thread).
         device: Where batches are delivered.
         depth: Batches prepared ahead of the consumer.
+        embedding: The job's learnable embedding (``train.embedding.EmbeddingTable``), if any: its rows are
+            looked up here and appended to each batch's ``x``, which is then the model's whole input.
     """
 
     def __init__(self, rows: Iterable[np.ndarray], feat: Union[np.ndarray, FeatureReader], device: torch.device,
-                 depth: int = 2):
+                 depth: int = 2, embedding=None):
+        self._embedding = embedding
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
         self._feat = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
@@ -108,7 +117,7 @@ class Prefetcher:
         if isinstance(item, _Failure):
             self._queue.put(item)
             raise item.exc
-        mb, ready = item
+        mb, ready, lookup = item
         if ready is not None:
             current = torch.cuda.current_stream(self._device)
             current.wait_event(ready)
@@ -116,6 +125,8 @@ class Prefetcher:
             # the caching allocator, or it may hand their memory out too early.
             for t in _tensors(mb):
                 t.record_stream(current)
+        if lookup is not None:  # here, not on the thread: it must follow the steps taken before this batch
+            mb.x = torch.cat([mb.x, self._embedding.complete(lookup).to(self._device)], dim=1)
         return mb
 
     def close(self, timeout: float = 10.0) -> None:
@@ -167,13 +178,14 @@ class Prefetcher:
         ids.numpy()[:] = packed  # rows arrive as read-only views; this is the one copy
         mb = MiniBatch.unpack(ids)
         mb.x = slot.gather(self._feat, mb.input_nodes.numpy())
+        lookup = self._embedding.prefetch(mb.input_nodes.numpy()) if self._embedding is not None else None
         if not self._cuda:
-            return mb, None
+            return mb, None, lookup
         with torch.cuda.stream(self._stream):
             mb = mb.to(self._device, non_blocking=True)
             slot.copied = torch.cuda.Event()
             slot.copied.record(self._stream)
-        return mb, slot.copied
+        return mb, slot.copied, lookup
 
 
 def _tensors(mb: MiniBatch) -> list[torch.Tensor]:

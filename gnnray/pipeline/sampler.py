@@ -11,11 +11,11 @@ code wherever it runs.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Optional
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import ray
 import torch
@@ -23,12 +23,18 @@ import torch
 from gnnray.cpus import CpuPolicy
 from gnnray.pipeline.batch import Layer, MiniBatch, id_dtype, to_arrow
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle, to_dgl
+from gnnray.data.store import GraphHandle, to_graphbolt
 from gnnray.pipeline.seeds import SeedPlan, SeedReader
 
 
 class Sampler:
-    """DGL neighbor sampling over a node-shared graph.
+    """Neighbor sampling with GraphBolt over a node-shared graph.
+
+    GraphBolt's ``FusedCSCSamplingGraph`` (:func:`~gnnray.data.store.to_graphbolt`)
+    reads the store's arrays in place, each in its own dtype: int32
+    ``indices`` even where the edge count needs an int64 ``indptr``, which
+    DGL's ``dgl.graph`` refuses. GraphBolt also samples with torch's threads
+    (the CPU plan sets them) and keeps no node-sized scratch per process.
 
     Args:
         graph: The graph, usually read-only views on the object store.
@@ -36,76 +42,39 @@ class Sampler:
     """
 
     def __init__(self, graph: Graph, fanouts: tuple[int, ...]):
-        import dgl
-
         self._graph = graph
-        self._g = to_dgl(graph)
-        self._sampler = dgl.dataloading.NeighborSampler(list(fanouts))
+        self._g = to_graphbolt(graph)
+        self._fanouts = [torch.tensor([int(f)]) for f in reversed(fanouts)]  # output layer first
         self.id_dtype = id_dtype(graph.num_nodes)  # what to pack this graph's batches as
-        # DGL takes seeds only in the graph's idtype: the dtype of its CSC, int32 below 2**31 edges.
+        # GraphBolt takes seeds only in the dtype of indices (int32 below 2**31 nodes); sampled ids come in it.
         self._seed_dtype = graph.indices.dtype
 
     def sample(self, seeds: np.ndarray, epoch: int = -1) -> MiniBatch:
         """Sample the blocks of ``seeds`` (global node ids, any integer dtype).
 
         The batch's ids and blocks come in the graph's ``indices`` dtype
-        (int32 for a compact graph), its labels as int64.
+        (int32 below 2**31 nodes), its labels as int64. A block's sources
+        start with its destinations, in order (DGL's block convention).
         """
-        seeds_t = torch.from_numpy(np.ascontiguousarray(seeds, dtype=self._seed_dtype))
-        fused = self._g.idtype != torch.int64 and self._fused_scratch()
-        input_nodes, output_nodes, blocks = self._sampler.sample_blocks(self._g, seeds_t)
-        if fused and any(m.dtype != self._g.idtype for ms in self._sampler.mapping.values() for m in ms):
-            # DGL made its own (int64) scratch: this batch is right (a fresh one), the next ones would not be.
-            self._sampler.fused, self._sampler.mapping = False, {}
+        output_nodes = nodes = torch.from_numpy(np.ascontiguousarray(seeds, dtype=self._seed_dtype))
+        typed = self._graph.etype is not None
         layers = []
-        for block in blocks:
-            # Local-id CSC is what the worker's message passing reads (in-edges),
-            # and half the bytes of COO.
-            indptr, indices, eids = block.adj_tensors("csc")
-            layers.append(Layer(indptr, indices, block.num_src_nodes(), self._etypes(block, eids)))
+        for fanout in self._fanouts:
+            # The private call returns the picked edges' CSC positions (a typed graph's relations are looked up
+            # by them); the public sample_neighbors maps them through an edge-id attribute of E x 8 bytes.
+            sub = self._g._sample_neighbors(nodes, fanout, replace=False, return_eids=typed)
+            # The block's sources: its destinations first, in order (they are unique), then the new ids as they
+            # appear. pandas' hash-table factorize does that on one thread (a sampler actor's) in a fraction of
+            # the time of GraphBolt's unique_and_compact (bench/structure.py).
+            codes, src = pd.factorize(np.concatenate([nodes.numpy(), sub.indices.numpy()]))
+            local = torch.from_numpy(codes[nodes.shape[0]:].astype(src.dtype))
+            # Offsets come in indptr's dtype (int64 past 2**31 edges); within a batch they fit the ids' dtype.
+            etype = torch.from_numpy(self._graph.etype[sub.original_edge_ids.numpy()]) if typed else None
+            layers.append(Layer(sub.indptr.to(nodes.dtype), local, int(src.shape[0]), etype))
+            nodes = torch.from_numpy(src)
+        layers.reverse()
         labels = torch.from_numpy(self._graph.label[output_nodes.numpy()])
-        return MiniBatch(output_nodes, labels, input_nodes, layers, epoch=epoch)
-
-    def _fused_scratch(self) -> bool:
-        """Give DGL's fused sampling a scratch array of the graph's idtype; whether that path will run.
-
-        DGL 2.1's fused CPU sampling (``NeighborSampler``'s path while DGL
-        runs more than one OMP thread) keeps a node-sized node -> local id
-        scratch array per process, allocated as int64 (``torch.LongTensor``)
-        but read and written as the graph's idtype. On an int32 graph, its
-        reset after each batch then misses most entries and later batches
-        come out wrong (source ids past the block's sources, edges the graph
-        lacks). An int32 array of ``-1`` under the key DGL looks up is what
-        its kernel expects (half the memory, too). Allocated only when the
-        fused path runs: single-threaded (sampler actors of one CPU) DGL
-        samples without it.
-        """
-        import dgl
-
-        s = self._sampler
-        if not (s.fused and dgl.utils.get_num_threads() > 1):
-            return False
-        if s.g is not self._g:  # NeighborSampler drops its scratch when the graph changes
-            s.g, s.mapping = self._g, {}
-        key = f"__mapping{os.getpid()}"  # the key dgl.sampling.neighbor._sample_neighbors uses
-        if key not in s.mapping:
-            s.mapping[key] = [torch.full((self._g.num_nodes(),), -1, dtype=self._g.idtype)]
-        return True
-
-    def _etypes(self, block, eids: torch.Tensor):
-        """Each of ``block``'s CSC edges' relation, or ``None`` for an untyped graph.
-
-        The graph's edge ids are its CSC positions (:func:`~gnnray.data.store.to_dgl`
-        gives none), so a sampled edge's relation is ``etype`` at its parent id.
-        """
-        import dgl
-
-        if self._graph.etype is None:
-            return None
-        parent = block.edata[dgl.EID]  # in the graph's idtype, int32 or int64
-        if eids.numel():
-            parent = parent[eids.long()]
-        return torch.from_numpy(self._graph.etype[parent.numpy()])
+        return MiniBatch(output_nodes, labels, nodes, layers, epoch=epoch)
 
 
 class SamplerActor:

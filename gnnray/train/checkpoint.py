@@ -1,13 +1,20 @@
 """Checkpoints: written by rank 0 at epoch ends (:class:`Schedule`), chosen by the driver on resume.
 
 A checkpoint directory holds ``state.pt`` (model, optimizer, epoch, best
-validation accuracy, node embeddings and their optimizer if any) and
-``meta.json`` (epoch, metrics, ``state.pt``'s size and the job configuration).
+validation accuracy), with ``--embedding-dim`` one directory per embedding
+shard, ``embedding/rows-LO-HI/`` (``weight.npy``, ``exp_avg.npy``,
+``exp_avg_sq.npy``, ``step.npy``: rows ``[LO, HI)`` and their SparseAdam state,
+written by whoever holds those rows, an owner on its node with
+``--feature-shards``), and ``meta.json`` (epoch, metrics, the size of every
+other file, the embedding shards and the job configuration). No process holds
+the whole embedding table to write or read it: a reader takes the rows it
+needs from the shards that overlap them (:func:`read_rows`), so a checkpoint of
+K=1 resumes with K=3 and back. Older checkpoints kept the whole table in
+``state.pt`` (``embedding``); they still load, memory-mapped.
 ``meta.json`` is written last, each file through a temporary name and an atomic
 rename, so a crash mid-write leaves a directory without a valid ``meta.json``:
-:func:`latest_valid` skips it and resume falls back to the previous one. Ray
-Train then copies the directory into storage file by file (not atomically);
-``meta.json`` records ``state.pt``'s size, so a torn copy is caught the same way.
+:func:`latest_valid` skips it and resume falls back to the previous one.
+``meta.json`` records the files' sizes, so a torn copy is caught the same way.
 A checkpoint whose files are complete but whose ``state.pt`` does not load or
 lacks a key is *corrupt* (:func:`corrupt_reason`): it is skipped too, and the
 driver stops rather than start over when no older good one is left.
@@ -24,10 +31,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+EMBEDDING_DIR = "embedding"
+# An embedding shard's files: its rows, then DGL SparseAdam's state of each row.
+EMBEDDING_ARRAYS = ("weight", "exp_avg", "exp_avg_sq", "step")
 # What a resume needs from state.pt (``embedding`` too when the run learns embeddings).
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "best_val_acc")
 
@@ -72,7 +83,8 @@ class Schedule:
 
 
 def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, metrics: dict[str, Any],
-         extra: Optional[dict[str, Any]] = None, config: Optional[dict[str, Any]] = None) -> None:
+         extra: Optional[dict[str, Any]] = None, config: Optional[dict[str, Any]] = None,
+         embedding: Optional[dict[str, Any]] = None) -> None:
     """Write a checkpoint of the epoch ``metrics["epoch"]`` into ``directory`` (crash-safe, see the module docstring).
 
     Args:
@@ -84,6 +96,8 @@ def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimize
         config: JSON-able job configuration (``dataclasses.asdict(JobConfig)``)
             stored in ``meta.json`` so that ``jobs/predict.py`` can rebuild the
             model and the graph.
+        embedding: ``{"num_nodes", "dim", "shards"}``, the shards being what
+            :func:`write_rows` returned for each, already in ``directory``.
     """
     epoch = int(metrics["epoch"])
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
@@ -91,6 +105,8 @@ def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimize
     _atomic_write(os.path.join(directory, STATE_FILE), lambda f: torch.save(state, f))
     size = os.path.getsize(os.path.join(directory, STATE_FILE))
     meta = {"epoch": epoch, "state_bytes": size, "metrics": metrics}
+    if embedding is not None:
+        meta["embedding"] = embedding
     if config is not None:
         meta["config"] = config
     _atomic_write(os.path.join(directory, META_FILE), lambda f: f.write(json.dumps(meta).encode()))
@@ -120,6 +136,9 @@ def read_info(directory: str) -> Optional[CheckpointInfo]:
         with open(os.path.join(directory, META_FILE)) as f:
             meta = json.load(f)
         complete = os.path.getsize(os.path.join(directory, STATE_FILE)) == meta["state_bytes"]
+        for shard in (meta.get("embedding") or {}).get("shards", ()):  # each owner's files, whole
+            complete &= all(os.path.getsize(os.path.join(directory, shard["dir"], name)) == size
+                            for name, size in shard["bytes"].items())
         return CheckpointInfo(directory, int(meta["epoch"]), dict(meta["metrics"])) if complete else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -144,12 +163,108 @@ def corrupt_reason(directory: str, extra_keys: Sequence[str] = ()) -> Optional[s
         return f"{STATE_FILE} does not load ({type(exc).__name__}: {first})"
     if not isinstance(state, dict):
         return f"{STATE_FILE} holds a {type(state).__name__}, not a dict"
-    missing = [k for k in (*REQUIRED_KEYS, *extra_keys) if k not in state]
+    meta = read_meta(directory)
+    # The embedding is in its shard files (listed in meta.json) or, in older checkpoints, in state.pt.
+    in_meta = {"embedding"} & set(meta)
+    missing = [k for k in (*REQUIRED_KEYS, *extra_keys) if k not in state and k not in in_meta]
     if missing:
         return f"{STATE_FILE} lacks {', '.join(map(repr, missing))}"
     if state["epoch"] != info.epoch:
         return f"{STATE_FILE} is of epoch {state['epoch']} but {META_FILE} says {info.epoch}"
+    if "embedding" in meta:
+        return _embedding_reason(directory, meta["embedding"])
     return None
+
+
+def _embedding_reason(directory: str, emb: dict) -> Optional[str]:
+    """Why the embedding shards listed in ``meta.json`` cannot be read back, or ``None``."""
+    try:
+        shards = sorted(emb["shards"], key=lambda s: s["lo"])
+        ranges = [(s["lo"], s["hi"]) for s in shards]
+        if [lo for lo, _ in ranges] != [0] + [hi for _, hi in ranges[:-1]] or ranges[-1][1] != emb["num_nodes"]:
+            return f"its embedding shards {ranges} do not cover rows 0-{emb['num_nodes']}"
+        for s in shards:
+            for name in EMBEDDING_ARRAYS:
+                a = np.load(os.path.join(directory, s["dir"], name + ".npy"), mmap_mode="r")
+                if a.shape[0] != s["hi"] - s["lo"] or (a.ndim == 2 and a.shape[1] != emb["dim"]):
+                    return f"{s['dir']}/{name}.npy has shape {a.shape} for rows {s['lo']}-{s['hi']}"
+    except Exception as exc:  # np.load raises many types on damaged files
+        return f"its embedding shards do not load ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
+
+
+def write_rows(directory: str, lo: int, hi: int, arrays: dict[str, np.ndarray]) -> dict:
+    """Write rows ``[lo, hi)`` of an embedding table and their optimizer state (:data:`EMBEDDING_ARRAYS`) into
+    checkpoint ``directory``; return the shard's entry for ``meta.json`` (call where the rows are)."""
+    sub = f"{EMBEDDING_DIR}/rows-{lo:012d}-{hi:012d}"
+    os.makedirs(os.path.join(directory, sub), exist_ok=True)
+    sizes = {}
+    for name in EMBEDDING_ARRAYS:
+        path = os.path.join(directory, sub, name + ".npy")
+        _atomic_write(path, lambda f: np.save(f, arrays[name]))
+        sizes[name + ".npy"] = os.path.getsize(path)
+    return {"lo": lo, "hi": hi, "dir": sub, "bytes": sizes}
+
+
+def read_rows(directory: str, lo: int, hi: int, names: Sequence[str] = EMBEDDING_ARRAYS) -> dict[str, np.ndarray]:
+    """Rows ``[lo, hi)`` of the embedding table and their optimizer state saved in checkpoint ``directory``.
+
+    Read from whichever shard files overlap the range, memory-mapped, so only
+    these rows are read, whatever the shards of the run that wrote it. An
+    older checkpoint (the whole table in ``state.pt``, torch's ``SparseAdam``
+    state) is read the same way; its rows get the old global step count where
+    their moments are non-zero (torch's bias correction had no per-row count).
+    """
+    meta = read_meta(directory)
+    if "embedding" not in meta:
+        return _legacy_rows(directory, lo, hi, names)
+    emb = meta["embedding"]
+    out = {}
+    for s in emb["shards"]:
+        a, b = max(lo, s["lo"]), min(hi, s["hi"])
+        if a >= b:
+            continue
+        for name in names:
+            part = np.load(os.path.join(directory, s["dir"], name + ".npy"), mmap_mode="r")
+            if name not in out:
+                out[name] = np.empty((hi - lo, *part.shape[1:]), dtype=part.dtype)
+            out[name][a - lo:b - lo] = part[a - s["lo"]:b - s["lo"]]
+    return out
+
+
+def _legacy_rows(directory: str, lo: int, hi: int, names: Sequence[str]) -> dict[str, np.ndarray]:
+    state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", mmap=True)
+    if "embedding" not in state:
+        from gnnray.errors import CheckpointError
+
+        raise CheckpointError(f"checkpoint {directory} holds no node embeddings (neither embedding shards in "
+                              f"{META_FILE} nor a table in {STATE_FILE}); was it written without --embedding-dim?")
+    weight = state["embedding"]["weight"]
+    opt = state["embedding"].get("optimizer", {}).get("state", {}).get(0)
+    rows = {"weight": weight[lo:hi].numpy().copy()}
+    if opt:
+        rows["exp_avg"] = opt["exp_avg"].to_dense()[lo:hi].numpy().copy()
+        rows["exp_avg_sq"] = opt["exp_avg_sq"].to_dense()[lo:hi].numpy().copy()
+        touched = (rows["exp_avg_sq"] != 0).any(axis=1)
+        rows["step"] = np.where(touched, int(opt["step"]), 0).astype(np.int32)
+    else:
+        rows["exp_avg"] = np.zeros_like(rows["weight"])
+        rows["exp_avg_sq"] = np.zeros_like(rows["weight"])
+        rows["step"] = np.zeros(hi - lo, dtype=np.int32)
+    return {k: rows[k] for k in names}
+
+
+def embedding_info(directory: str) -> Optional[dict]:
+    """``{"num_nodes", "dim", "shards"}`` of the checkpoint's embedding (``shards`` empty in older checkpoints,
+    whose table is in ``state.pt``), or ``None`` if it has none."""
+    meta = read_meta(directory)
+    if "embedding" in meta:
+        return meta["embedding"]
+    state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", mmap=True)
+    if "embedding" not in state:
+        return None
+    n, dim = state["embedding"]["weight"].shape
+    return {"num_nodes": int(n), "dim": int(dim), "shards": []}
 
 
 def latest_valid(run_dir: str, extra_keys: Sequence[str] = ()) -> tuple[Optional[CheckpointInfo], list[str]]:

@@ -1,18 +1,39 @@
 """Learnable node embeddings (``--embedding-dim``), for graphs without (enough) features.
 
-As DGL's ``DistEmbedding`` with a sparse optimizer: each node has a trainable
-vector that is the model's input (appended to its features, if any). Only the
-rows a mini-batch touched get a gradient and an update.
+As DGL's ``NodeEmbedding`` / ``DistEmbedding`` with its ``SparseAdam``: each node
+has a trainable vector that is the model's input (appended to its features, if
+any). Only the rows a mini-batch touched get a gradient and an update.
 
-Consistency across DDP ranks: every rank holds the whole table (replicated,
-``num_nodes x dim x 4`` bytes, plus SparseAdam's two moment tables of the same
-size), initialised from the same seed. The table stays outside DDP: after each
-backward pass its sparse gradient is summed over the ranks with one
-``all_reduce`` over a gloo process group (gloo reduces sparse tensors; NCCL
-cannot, so on GPUs a gloo group is created beside the default one) and divided
-by the world size, as DDP averages dense gradients. Every rank then applies
-the same SparseAdam step to the same rows, so the replicas stay identical.
-The table lives in host memory on every device.
+The update is DGL's (``dgl.optim.SparseAdam``, ``dgl.distributed.optim.SparseAdam``;
+:class:`RowStore`): each row keeps its own step count for Adam's bias
+correction (a row first touched late moves by about ``lr``, as its first step
+would), and a row's gradient is the *mean over the contributions it got* in the
+step (one per rank that looked it up), not a sum divided by the world size.
+Each step one ``all_reduce`` sums the ranks' sparse gradients with a count
+column beside them (over a gloo process group: gloo reduces sparse tensors,
+NCCL cannot, so on GPUs a gloo group is created beside the default one).
+
+Where the rows live:
+
+- one shard (:class:`NodeEmbedding`): every rank holds a :class:`RowStore` of
+  the whole table (``num_nodes x dim x 4`` bytes, twice that for the moments, 4
+  bytes per row of step counts), initialised from the same seed; every rank
+  applies the same update, so the replicas stay identical;
+- ``--feature-shards K`` (:class:`ShardedEmbedding`): an :class:`EmbeddingOwner`
+  actor on each shard node holds its rows and applies their update, as DGL's
+  servers do; a rank holds only its batches' rows.
+
+Lookups run ahead, on the prefetch thread (:meth:`EmbeddingTable.prefetch`),
+and wait there. Rows that a step updated after they were read are read again
+when the batch is taken (:meth:`EmbeddingTable.complete`, counted in
+``data_wait``): every rank knows which rows each step touched (the all-reduced
+gradient's ids), so a batch gets exactly the rows a lookup at its step would.
+
+Checkpoints by shard: whoever holds rows writes them and their optimizer state
+into the checkpoint directory (``train.checkpoint.write_rows``: an owner on its
+node) and reads back the rows it owns from whichever saved shards overlap them
+(``train.checkpoint.read_rows``), so K=1 and K=3 checkpoints interchange and no
+process holds the whole table for it.
 """
 
 from __future__ import annotations
@@ -22,81 +43,87 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from gnnray.train import checkpoint
 
-class NodeEmbedding:
-    """A replicated, sparsely updated embedding table and its SparseAdam optimizer.
+
+class RowStore:
+    """Rows ``[lo, hi)`` of an embedding table and their sparse Adam state, updated as DGL's ``SparseAdam``.
 
     Args:
-        num_nodes: Rows of the table.
+        lo, hi: The rows held.
         dim: Embedding size.
-        lr: SparseAdam learning rate.
-        seed: Initialisation seed; the same on every rank.
+        lr: Learning rate.
+        seed: Initialisation seed (:func:`init_rows`: the same rows whatever the range).
+        betas, eps: Adam's, DGL's defaults.
     """
 
-    def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0):
-        self.table = torch.nn.Embedding(num_nodes, dim, sparse=True)
-        with torch.no_grad():  # the rows a sharded table starts from too (init_rows)
-            self.table.weight.copy_(torch.from_numpy(init_rows(seed, 0, num_nodes, dim)))
-        self.optimizer = torch.optim.SparseAdam(self.table.parameters(), lr=lr)
-        self._group = _gloo_group()
+    def __init__(self, lo: int, hi: int, dim: int, lr: float, seed: int, betas=(0.9, 0.999), eps: float = 1e-8):
+        self._lo, self._hi, self._dim, self._lr, self._seed = lo, hi, dim, lr, seed
+        self._betas, self._eps = betas, eps
+        self.reset()
 
-    @property
-    def dim(self) -> int:
-        return self.table.embedding_dim
+    def reset(self) -> None:
+        """Back to the initial rows and a fresh optimizer (a run that restarts without a checkpoint)."""
+        n = self._hi - self._lo
+        self.weight = torch.from_numpy(init_rows(self._seed, self._lo, self._hi, self._dim))
+        self.exp_avg, self.exp_avg_sq = torch.zeros(n, self._dim), torch.zeros(n, self._dim)
+        self.step_count = torch.zeros(n, dtype=torch.int32)  # DGL's per-row ``state_step``
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the table on this rank (the optimizer holds twice as much again)."""
-        return self.table.weight.numel() * self.table.weight.element_size()
+        """Bytes of the rows (the optimizer holds twice as much again, and 4 bytes per row)."""
+        return self.weight.numel() * 4
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` (global node ids, any device); the result is on the table's device (CPU)."""
-        return self.table(ids.cpu().long())
+    def gather(self, local_ids: np.ndarray) -> np.ndarray:
+        return self.weight.numpy()[local_ids]
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def update(self, local_ids: np.ndarray, grad_sum: np.ndarray, count: np.ndarray) -> bool:
+        """One step of rows ``local_ids`` (unique): their gradient summed over ``count`` contributions each.
 
-    def step(self) -> None:
-        """Average the sparse gradient over the ranks, then update the rows it touches (call on every rank)."""
-        weight = self.table.weight
-        if weight.grad is None:  # no rows looked up: still join the all-reduce
-            weight.grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64),
-                                                  torch.empty(0, self.dim), weight.shape)
-        allreduce_sparse_grad(weight, self._group)
-        self.optimizer.step()
+        DGL's ``SparseAdam.update``: the mean gradient, per-row step counts.
+        """
+        if not len(local_ids):
+            return True
+        b1, b2 = self._betas
+        # Copies: arrays that came through Ray are read-only.
+        idx = torch.tensor(local_ids, dtype=torch.int64)
+        g = torch.tensor(grad_sum, dtype=torch.float32) / torch.tensor(count, dtype=torch.float32).unsqueeze(1)
+        self.step_count[idx] += 1
+        step = self.step_count[idx].to(torch.float32)
+        m = b1 * self.exp_avg[idx] + (1.0 - b1) * g
+        v = b2 * self.exp_avg_sq[idx] + (1.0 - b2) * (g * g)
+        self.exp_avg[idx], self.exp_avg_sq[idx] = m, v
+        m_hat = m / (1.0 - torch.pow(torch.tensor(b1), step)).unsqueeze(1)
+        v_hat = v / (1.0 - torch.pow(torch.tensor(b2), step)).unsqueeze(1)
+        self.weight[idx] -= self._lr * m_hat / (torch.sqrt(v_hat) + self._eps)
+        return True
 
-    def state_dict(self) -> dict:
-        return {"weight": self.table.weight.detach().clone(), "optimizer": self.optimizer.state_dict()}
+    def save(self, directory: str) -> dict:
+        """Write these rows and their state into checkpoint ``directory``; return their ``meta.json`` entry."""
+        return checkpoint.write_rows(directory, self._lo, self._hi, self._arrays())
 
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            self.table.weight.copy_(state["weight"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load(self, directory: Optional[str]) -> bool:
+        """Take these rows and their state from checkpoint ``directory`` (any shards), or reset (``None``)."""
+        if directory is None:
+            self.reset()
+            return True
+        self.weight = self.exp_avg = self.exp_avg_sq = self.step_count = None  # the old state goes first
+        rows = checkpoint.read_rows(directory, self._lo, self._hi)
+        self.weight, self.exp_avg, self.exp_avg_sq = (torch.from_numpy(np.require(rows[k], np.float32, "CW"))
+                                                      for k in ("weight", "exp_avg", "exp_avg_sq"))
+        self.step_count = torch.from_numpy(np.require(rows["step"], np.int32, "CW"))
+        return True
 
-
-def allreduce_sparse_grad(param: torch.Tensor, group=None) -> None:
-    """Replace ``param.grad`` (sparse) by its mean over the ranks of ``group``; a no-op without a process group."""
-    param.grad = mean_over_ranks(param.grad, group)
-
-
-def mean_over_ranks(grad: torch.Tensor, group=None) -> torch.Tensor:
-    """The mean of the sparse ``grad`` over the ranks of ``group`` (coalesced); itself without a process group."""
-    import torch.distributed as dist
-
-    grad = grad.coalesce()
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(grad, group=group)
-        grad = grad.coalesce() / dist.get_world_size(group)
-    return grad
+    def _arrays(self) -> dict[str, np.ndarray]:
+        return {"weight": self.weight.numpy(), "exp_avg": self.exp_avg.numpy(),
+                "exp_avg_sq": self.exp_avg_sq.numpy(), "step": self.step_count.numpy()}
 
 
-def _gloo_group() -> Optional[object]:
-    """A process group that can all-reduce sparse CPU tensors: the default one if it is gloo."""
-    import torch.distributed as dist
+class EmbeddingOwner(RowStore):
+    """A :class:`RowStore` as a Ray actor on a shard's node (``--feature-shards K`` with ``--embedding-dim``)."""
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")
+    def ping(self) -> bool:
+        return True
 
 
 def init_rows(seed: int, lo: int, hi: int, dim: int) -> np.ndarray:
@@ -106,58 +133,148 @@ def init_rows(seed: int, lo: int, hi: int, dim: int) -> np.ndarray:
     return chunked_random(seed, lo, hi, dim, uniform=True)
 
 
-class EmbeddingOwner:
-    """Rows ``[lo, hi)`` of a sharded embedding table and their SparseAdam state, on the shard's node.
+class Lookup:
+    """Rows read ahead of their step (:meth:`EmbeddingTable.prefetch`): ``ids``, ``rows``, and ``version``, the
+    steps whose updates had all landed before they were read."""
 
-    Ray actor (``--feature-shards K`` with ``--embedding-dim``): it applies the
-    optimizer's update to its own rows, as the servers of DGL's ``DistEmbedding``
-    do; train workers hold only the rows of their current mini-batch.
+    def __init__(self, ids: np.ndarray, rows: np.ndarray, version: int):
+        self.ids, self.rows, self.version = ids, rows, version
+
+
+class EmbeddingTable:
+    """A train worker's view of the embedding table: lookups (ahead of time or not) and the step after backward.
+
+    Subclasses say where rows are read (:meth:`_read`), where updates go
+    (:meth:`_apply`) and who writes and reads checkpoints.
     """
 
-    def __init__(self, lo: int, hi: int, dim: int, lr: float, seed: int):
-        self._lo, self._hi, self._dim, self._lr, self._seed = lo, hi, dim, lr, seed
-        self.reset()
+    def __init__(self, num_nodes: int, dim: int):
+        import collections
+        import threading
 
-    def reset(self) -> None:
-        """Back to the initial rows and a fresh optimizer (a run that restarts without a checkpoint)."""
-        import torch
+        self._n, self.dim = num_nodes, dim
+        self._group = _gloo_group()
+        # The prefetch thread reads these while the training thread steps: one lock for the three.
+        self._lock = threading.Lock()
+        self._version = 0  # steps whose updates have all landed
+        self._pending: collections.deque = collections.deque()  # versions of prefetched lookups not completed
+        self._touched: list[tuple[int, np.ndarray]] = []  # (step, the rows it updated), while a lookup may need it
+        self._ids: Optional[np.ndarray] = None
+        self._rows: Optional[torch.Tensor] = None
 
-        self._param = torch.nn.Parameter(torch.from_numpy(init_rows(self._seed, self._lo, self._hi, self._dim)))
-        self._opt = torch.optim.SparseAdam([self._param], lr=self._lr)
+    def prefetch(self, ids: np.ndarray, pending: bool = True) -> Lookup:
+        """Read rows ``ids`` now (the prefetch thread calls it); :meth:`complete` makes them current, in order."""
+        with self._lock:  # the version before the rows are read: a step landing meanwhile is re-read by complete
+            version = self._version
+            if pending:
+                self._pending.append(version)
+        ids = np.array(ids, dtype=np.int64)  # a copy: the caller's buffer is reused
+        return Lookup(ids, self._read(ids), version)
 
-    def gather(self, local_ids: np.ndarray) -> np.ndarray:
-        return self._param.data.numpy()[local_ids]
+    def complete(self, lookup: Lookup, pending: bool = True) -> torch.Tensor:
+        """The lookup's rows as of now (a leaf tensor; its gradient is :meth:`step`'s): rows updated since they
+        were read are read again. Call on the training thread, in the order of :meth:`prefetch`."""
+        with self._lock:
+            if pending:
+                self._pending.popleft()
+            oldest = min([lookup.version, self._version] + ([self._pending[0]] if self._pending else []))
+            self._touched = [(v, t) for v, t in self._touched if v >= oldest]
+            since = [t for v, t in self._touched if v >= lookup.version]
+        rows = lookup.rows
+        if since and len(lookup.ids):
+            stale = np.flatnonzero(np.isin(lookup.ids, np.concatenate(since)))
+            if len(stale):
+                rows[stale] = self._read(lookup.ids[stale])
+        self._ids = lookup.ids
+        self._rows = torch.from_numpy(rows).requires_grad_(torch.is_grad_enabled())
+        return self._rows
 
-    def ping(self) -> bool:
-        return True
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (global node ids, any device), read now; the result is on the CPU."""
+        return self.complete(self.prefetch(ids.cpu().numpy(), pending=False), pending=False)
 
-    def update(self, local_ids: np.ndarray, grad: np.ndarray) -> bool:
-        """One SparseAdam step with the (averaged) gradient of rows ``local_ids``; called every step, even empty,
-        so the optimizer's step count (its bias correction) is the replicated table's."""
-        import torch
+    def zero_grad(self) -> None:
+        """Nothing to clear: each lookup makes fresh rows, whose gradient :meth:`step` reads."""
 
-        self._param.grad = torch.sparse_coo_tensor(torch.from_numpy(local_ids).view(1, -1), torch.from_numpy(grad),
-                                                   tuple(self._param.shape))
-        self._opt.step()
-        self._param.grad = None
-        return True
+    def step(self) -> None:
+        """Sum the batch rows' gradient and counts over the ranks, apply the mean (call on every rank, every step)."""
+        import torch.distributed as dist
 
-    def state(self) -> dict:
-        s = self._opt.state.get(self._param, {})
-        return {"weight": self._param.data.numpy(), "step": float(s["step"]) if s else 0.0,
-                "exp_avg": s["exp_avg"].numpy() if s else None, "exp_avg_sq": s["exp_avg_sq"].numpy() if s else None}
+        if self._rows is not None and self._rows.grad is not None and self._ids.size:
+            values = torch.cat([self._rows.grad, torch.ones(len(self._ids), 1)], dim=1)
+            ids = torch.from_numpy(self._ids).view(1, -1)
+        else:  # no rows looked up: still join the all-reduce
+            values, ids = torch.empty(0, self.dim + 1), torch.empty(1, 0, dtype=torch.int64)
+        total = torch.sparse_coo_tensor(ids, values, (self._n, self.dim + 1)).coalesce()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
+            dist.all_reduce(total, group=self._group)
+            total = total.coalesce()
+        ids, values = total.indices()[0].numpy(), total.values().numpy()
+        self._apply(ids, np.ascontiguousarray(values[:, :-1]), np.ascontiguousarray(values[:, -1]))
+        self._rows = None
+        with self._lock:
+            self._touched.append((self._version, ids))
+            self._version += 1
 
-    def load(self, state: dict) -> bool:
-        import torch
+    def _ranks(self) -> tuple[int, int]:
+        import torch.distributed as dist
 
-        self.reset()
-        with torch.no_grad():
-            self._param.copy_(torch.from_numpy(state["weight"]))
-        if state["exp_avg"] is not None:
-            self._opt.state[self._param] = {"step": torch.tensor(state["step"]),
-                                            "exp_avg": torch.from_numpy(state["exp_avg"]).clone(),
-                                            "exp_avg_sq": torch.from_numpy(state["exp_avg_sq"]).clone()}
-        return True
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self._ranks()[1] > 1:
+            dist.barrier(group=self._group)
+
+    def _read(self, ids: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _apply(self, ids: np.ndarray, grad_sum: np.ndarray, count: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def save(self, directory: str) -> dict:
+        """Have the rows written into checkpoint ``directory`` (rank 0 calls it); return ``meta.json``'s entry."""
+        raise NotImplementedError
+
+    def load(self, directory: Optional[str]) -> None:
+        """Take the rows from checkpoint ``directory`` (``None``: the initial ones); call on every rank."""
+        raise NotImplementedError
+
+    def _entry(self, shards: list) -> dict:
+        return {"num_nodes": self._n, "dim": self.dim, "shards": shards}
+
+
+class NodeEmbedding(EmbeddingTable):
+    """A replicated table: every rank holds all rows and applies every update (K=1).
+
+    Args:
+        num_nodes: Rows of the table.
+        dim: Embedding size.
+        lr: SparseAdam learning rate.
+        seed: Initialisation seed; the same on every rank.
+    """
+
+    def __init__(self, num_nodes: int, dim: int, lr: float, seed: int = 0):
+        super().__init__(num_nodes, dim)
+        self.store = RowStore(0, num_nodes, dim, lr, seed)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table on this rank (the optimizer holds twice as much again)."""
+        return self.store.nbytes
+
+    def _read(self, ids):
+        return self.store.gather(ids)
+
+    def _apply(self, ids, grad_sum, count):
+        self.store.update(ids, grad_sum, count)
+
+    def save(self, directory: str) -> dict:
+        return self._entry([self.store.save(directory)])
+
+    def load(self, directory: Optional[str]) -> None:
+        self.store.load(directory)
 
 
 def create_owners(bounds: Sequence[tuple[int, int, str, str]], dim: int, lr: float, seed: int) -> tuple:
@@ -174,121 +291,115 @@ def create_owners(bounds: Sequence[tuple[int, int, str, str]], dim: int, lr: flo
     return tuple(owners)
 
 
-class ShardedEmbedding:
-    """A train worker's view of a sharded embedding table: :class:`NodeEmbedding`'s interface, rows on their owners.
+class ShardedEmbedding(EmbeddingTable):
+    """A table whose rows are on their owners (``--feature-shards K``); a rank holds only its batches' rows.
 
-    A lookup fetches the batch's rows (one call per owner); after backward,
-    :meth:`step` averages the sparse gradient over the ranks (as
+    A lookup sends one call per owner it needs and waits for all at once; after
+    backward, :meth:`step` sums the gradient over the ranks (as
     :class:`NodeEmbedding`) and rank ``r`` sends each owner ``k`` with
-    ``k % world == r`` its rows' part, so each owner applies it exactly once;
-    a barrier then keeps any rank from reading rows before every update landed.
+    ``k % world == r`` its rows' part, so each owner applies it exactly once; a
+    barrier then keeps any rank from reading rows before every update landed.
 
     Args:
         owners: ``(lo, hi, where, actor)`` per shard (:func:`create_owners`).
         num_nodes, dim: The table's shape.
-        lr: SparseAdam's learning rate (for the checkpoint's optimizer state).
-        timeout_s: Seconds an owner may take to answer.
+        lr: Unused (the owners hold it); kept for the call sites.
+        timeout_s: Seconds the owners together may take to answer one call.
     """
 
     def __init__(self, owners: tuple, num_nodes: int, dim: int, lr: float, timeout_s: float):
-        self._owners, self._n, self.dim, self._lr, self._timeout = owners, num_nodes, dim, lr, timeout_s
+        super().__init__(num_nodes, dim)
+        self._owners, self._timeout = owners, timeout_s
         self._starts = np.array([o[0] for o in owners], dtype=np.int64)
-        self._group = _gloo_group()
-        self._ids: Optional[np.ndarray] = None
-        self._rows = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of the table on this rank: only the current batch's rows."""
         return 0 if self._rows is None else self._rows.numel() * 4
 
-    def __call__(self, ids):
-        import torch
-
-        self._ids = ids.cpu().numpy().astype(np.int64)
-        rows = np.empty((len(self._ids), self.dim), dtype=np.float32)
-        owner = np.searchsorted(self._starts, self._ids, side="right") - 1
-        calls = [(owner == k, o) for k, o in enumerate(self._owners) if (owner == k).any()]
-        refs = [o[3].gather.remote(self._ids[m] - o[0]) for m, o in calls]
-        for (m, o), ref in zip(calls, refs):
-            rows[m] = self._get(ref, o)
-        self._rows = torch.from_numpy(rows).requires_grad_(torch.is_grad_enabled())
-        return self._rows
-
-    def zero_grad(self) -> None:
-        """Nothing to clear: each lookup makes fresh rows, whose gradient :meth:`step` reads."""
-
-    def step(self) -> None:
-        """Average the batch rows' gradient over the ranks; owners apply it (call on every rank, every step)."""
-        import torch
-        import torch.distributed as dist
-
-        if self._rows is not None and self._rows.grad is not None and self._ids.size:
-            grad = torch.sparse_coo_tensor(torch.from_numpy(self._ids).view(1, -1), self._rows.grad,
-                                           (self._n, self.dim))
-        else:  # no rows looked up: still join the all-reduce
-            grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64), torch.empty(0, self.dim),
-                                           (self._n, self.dim))
-        grad = mean_over_ranks(grad, self._group)
-        ids, values = grad.indices()[0].numpy(), grad.values().numpy()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    def _route(self, ids: np.ndarray):
+        """``(order, bounds)``: ``ids[order[bounds[k]:bounds[k + 1]]]`` are owner ``k``'s (one sort, no masks)."""
         owner = np.searchsorted(self._starts, ids, side="right") - 1
-        pushes = [(o, o[3].update.remote(ids[owner == k] - o[0], np.ascontiguousarray(values[owner == k])))
-                  for k, o in enumerate(self._owners) if k % world == rank]
-        for o, ref in pushes:
-            self._get(ref, o)
-        if world > 1:
-            dist.barrier(group=self._group)
-        self._rows = None
+        order = np.argsort(owner, kind="stable")
+        return order, np.searchsorted(owner[order], np.arange(len(self._owners) + 1))
 
-    def state_dict(self) -> dict:
-        """The whole table and optimizer state, :class:`NodeEmbedding`'s format (rank 0 writes checkpoints)."""
-        import torch
+    def _read(self, ids: np.ndarray) -> np.ndarray:
+        rows = np.empty((len(ids), self.dim), dtype=np.float32)
+        order, bounds = self._route(ids)
+        parts = [(order[bounds[k]:bounds[k + 1]], o) for k, o in enumerate(self._owners) if bounds[k + 1] > bounds[k]]
+        results = self._get_all([(o, o[3].gather.remote(ids[p] - o[0])) for p, o in parts])
+        for (p, _), r in zip(parts, results):
+            rows[p] = r
+        return rows
 
-        states = [self._get(o[3].state.remote(), o) for o in self._owners]
-        weight = torch.from_numpy(np.concatenate([s["weight"] for s in states]))
-        param = torch.nn.Parameter(weight)
-        opt = torch.optim.SparseAdam([param], lr=self._lr)
-        if states[0]["exp_avg"] is not None:
-            opt.state[param] = {"step": torch.tensor(states[0]["step"]),
-                                "exp_avg": torch.from_numpy(np.concatenate([s["exp_avg"] for s in states])),
-                                "exp_avg_sq": torch.from_numpy(np.concatenate([s["exp_avg_sq"] for s in states]))}
-        return {"weight": weight, "optimizer": opt.state_dict()}
-
-    def load_state_dict(self, state: Optional[dict]) -> None:
-        """Put a checkpoint's table (``None``: the initial one) back on the owners; call on every rank."""
-        import torch.distributed as dist
-
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        opt = (state or {}).get("optimizer", {}).get("state", {}).get(0)
+    def _apply(self, ids, grad_sum, count) -> None:
+        rank, world = self._ranks()
+        order, bounds = self._route(ids)
         calls = []
         for k, o in enumerate(self._owners):
-            if k % world != rank:
-                continue
-            lo, hi = o[0], o[1]
-            if state is None:
-                calls.append((o, o[3].reset.remote()))
-                continue
-            part = {"weight": state["weight"][lo:hi].numpy(), "step": float(opt["step"]) if opt else 0.0,
-                    "exp_avg": opt["exp_avg"][lo:hi].numpy() if opt else None,
-                    "exp_avg_sq": opt["exp_avg_sq"][lo:hi].numpy() if opt else None}
-            calls.append((o, o[3].load.remote(part)))
-        for o, ref in calls:
-            self._get(ref, o)
-        if world > 1:
-            dist.barrier(group=self._group)
+            p = order[bounds[k]:bounds[k + 1]]
+            if k % world == rank and len(p):  # per-row step counts: an owner without rows has nothing to do
+                calls.append((o, o[3].update.remote(ids[p] - o[0], grad_sum[p], count[p])))
+        self._get_all(calls)
+        self._barrier()
 
-    def _get(self, ref, owner):
+    # Checkpoints: no timeout, as a shard's files take as long as its disk needs; a lost owner still fails at once.
+    def save(self, directory: str) -> dict:
+        """Each owner writes its rows, on its node (rank 0 calls it; ``directory`` is on shared storage)."""
+        return self._entry(self._get_all([(o, o[3].save.remote(directory)) for o in self._owners], None))
+
+    def load(self, directory: Optional[str]) -> None:
+        rank, world = self._ranks()
+        self._get_all([(o, o[3].load.remote(directory)) for k, o in enumerate(self._owners) if k % world == rank],
+                      None)
+        self._barrier()
+
+    def _get_all(self, calls: list, timeout: Optional[float] = -1.0) -> list:
+        """The results of ``(owner, ref)`` calls, waited for together within one timeout (``--feature-timeout``
+        unless given; ``None``: none). The first failure ends the wait: it names the owner's shard and node,
+        and the calls still running are cancelled."""
+        import time
+
         import ray
         import ray.exceptions
 
         from gnnray.errors import FeatureShardError
 
-        try:
-            return ray.get(ref, timeout=self._timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise FeatureShardError(f"embedding shard {owner[0]}:{owner[1]} on {owner[2]} did not answer within "
-                                    f"{self._timeout:g}s (--feature-timeout)") from None
-        except ray.exceptions.RayActorError:
-            raise FeatureShardError(f"embedding shard {owner[0]}:{owner[1]} on {owner[2]} was lost (node lost?)") \
-                from None
+        timeout = self._timeout if timeout == -1.0 else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        owner_of = {ref: o for o, ref in calls}
+        results, pending, failure = {}, [ref for _, ref in calls], None
+        while pending and failure is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                late = ", ".join(f"{owner_of[r][0]}:{owner_of[r][1]} on {owner_of[r][2]}" for r in pending)
+                failure = FeatureShardError(f"embedding shard {late} did not answer within {timeout:g}s "
+                                            "(--feature-timeout)")
+            for ref in ready:
+                o = owner_of[ref]
+                try:
+                    results[ref] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    failure = FeatureShardError(f"embedding shard {o[0]}:{o[1]} on {o[2]} was lost (node lost?)")
+                except ray.exceptions.RayError as exc:
+                    first = (str(exc).strip().splitlines() or [""])[0][:200]
+                    failure = FeatureShardError(f"embedding shard {o[0]}:{o[1]} on {o[2]} failed: "
+                                                f"{type(exc).__name__}: {first}")
+        if failure is not None:
+            for ref in pending:
+                try:
+                    ray.cancel(ref)
+                except Exception:  # already finished or its actor gone: nothing left to stop
+                    pass
+            raise failure
+        return [results[ref] for _, ref in calls]
+
+
+def _gloo_group() -> Optional[object]:
+    """A process group that can all-reduce sparse CPU tensors: the default one if it is gloo."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")

@@ -29,8 +29,8 @@ from gnnray.pipeline.features import reader_for
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.seeds import steps_per_epoch
 from gnnray.train import checkpoint
-from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
-from gnnray.train.evaluate import Evaluator, model_input
+from gnnray.train.embedding import EmbeddingTable, NodeEmbedding, ShardedEmbedding
+from gnnray.train.evaluate import Evaluator
 from gnnray.train.model import model_for
 from gnnray.train.report import METRICS_LOG, PrivateMemory, Progress, report, saved_config
 
@@ -105,12 +105,13 @@ def train_loop(config: dict) -> None:
         embedding = NodeEmbedding(graph.num_nodes, cfg.data.embedding_dim, embedding_lr, cfg.run.seed)
 
     # 2. Restore the checkpoint the driver chose, if any (the owners of a sharded table are reset without one:
-    # they outlive a failed attempt).
+    # they outlive a failed attempt). The embedding's rows are read by whoever holds them, from the files that
+    # hold them, whatever the shards of the run that wrote it (gnnray.train.checkpoint).
     state = checkpoint.load_state(setup.resume_from) if setup.resume_from else None
     if state:
         model.load_state_dict(state["model"])
-    if state and embedding or isinstance(embedding, ShardedEmbedding):
-        embedding.load_state_dict(state["embedding"] if state else None)
+    if setup.resume_from and embedding or isinstance(embedding, ShardedEmbedding):
+        embedding.load(setup.resume_from)
 
     # 3. Ray Train: wrap the model in DDP and move it to this worker's device.
     model = ray.train.torch.prepare_model(model)
@@ -133,7 +134,8 @@ def train_loop(config: dict) -> None:
     progress = Progress(setup.run_dir if rank == 0 else None)
     metrics_log = os.path.join(setup.run_dir, METRICS_LOG) if setup.run_dir and rank == 0 else None
 
-    with Prefetcher(rows, features, device, depth=cfg.train.prefetch) as batches:
+    # The embedding's rows are looked up on the prefetch thread too (counted in data_wait, as features are).
+    with Prefetcher(rows, features, device, depth=cfg.train.prefetch, embedding=embedding) as batches:
         for _ in range((start - setup.first_epoch) * steps):  # stream starts before the checkpoint: skip
             next(batches)
         memory, schedule = PrivateMemory(), checkpoint.Schedule(cfg.run.checkpoint_interval)
@@ -164,9 +166,13 @@ def train_loop(config: dict) -> None:
 
 
 def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device,
-                exported: Optional[TrainMetrics] = None, embedding: Optional[NodeEmbedding] = None,
+                exported: Optional[TrainMetrics] = None, embedding: Optional[EmbeddingTable] = None,
                 on_step: Optional[Callable[[int], None]] = None) -> dict:
-    """Take ``steps`` optimizer steps over ``batches``; return the epoch's metrics, reduced over the ranks."""
+    """Take ``steps`` optimizer steps over ``batches``; return the epoch's metrics, reduced over the ranks.
+
+    A batch's ``x`` is the model's whole input: with ``embedding``, ``batches`` is a
+    :class:`Prefetcher` given it, which appended the embedding's rows.
+    """
     from torchmetrics import MeanMetric, SumMetric
     from torchmetrics.classification import MulticlassAccuracy
 
@@ -180,7 +186,7 @@ def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_
         mb = next(batches)
         waited = time.perf_counter() - t
         wait += waited
-        logits = model(mb.blocks(), model_input(mb, embedding))
+        logits = model(mb.blocks(), mb.x)
         # An empty batch (a split smaller than the ranks) still steps, with a
         # zero loss, so every rank joins the same DDP all-reduces.
         loss = F.cross_entropy(logits, mb.labels) if mb.num_seeds else logits.sum() * 0.0
@@ -190,7 +196,7 @@ def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_
         loss.backward()
         optimizer.step()
         if embedding:
-            embedding.step()  # sparse all-reduce over the ranks, then SparseAdam
+            embedding.step()  # sparse all-reduce over the ranks, then DGL's SparseAdam on the rows' holders
         if mb.num_seeds:
             loss_avg.update(loss.detach(), weight=mb.num_seeds)
             acc.update(logits.argmax(1), mb.labels)

@@ -7,7 +7,8 @@ plugs into the training loop the same way.
 Typed graphs: blocks carry each edge's relation as ``block.edata["etype"]``
 (:meth:`gnnray.pipeline.batch.MiniBatch.blocks`). The relational models
 (``--model rgat|rsage``) run one convolution per relation and sum them;
-sage, gat and gcn ignore the types.
+sage, gat and gcn ignore the types. RGAT's BatchNorms are :class:`SyncBatchNorm`:
+their training statistics span all DDP ranks, as in the MAG240M example.
 
 The built-in models (``--model sage|gat|gcn|rgat|rsage``) also expose
 ``layer(i, block, h)``: layer ``i`` with the activation and dropout that
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from gnnray.errors import CheckpointError
 
 MODELS = ("sage", "gat", "gcn", "rgat", "rsage")
 
@@ -181,8 +184,51 @@ def relation_subgraphs(block, num_relations: int) -> list:
     return out
 
 
+class SyncBatchNorm(nn.BatchNorm1d):
+    """BatchNorm1d whose training statistics span all DDP ranks, on CPUs and GPUs alike.
+
+    torch 2.2's ``nn.SyncBatchNorm`` cannot serve CPU ranks: its forward
+    refuses CPU tensors and DDP refuses to wrap a CPU module that holds one.
+    So the batch's sum and sum of squares (float64) are all-reduced here with
+    the autograd-aware ``torch.distributed.nn.functional.all_reduce`` (its
+    backward sums the gradients of all ranks, as torch's own does).
+    ``nn.SyncBatchNorm.convert_sync_batchnorm`` converts it like any
+    BatchNorm, for GPU ranks that prefer torch's fused kernels. Without a
+    process group, with one rank, or in eval mode it is plain BatchNorm; its
+    state is ``nn.BatchNorm1d``'s, so checkpoints load either way.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if not self.training or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_reduce
+
+        group = dist.group.WORLD
+        # One reduction of sum, sum of squares and count; in float64, so that E[x^2] - E[x]^2 keeps its
+        # precision where |mean| >> std (each collective waits for every rank: one, not two, per pass).
+        c, xd = x.shape[1], x.double()
+        sums = all_reduce(torch.cat([xd.sum(0), (xd * xd).sum(0), xd.new_full((1,), x.shape[0])]), group=group)
+        count = sums[-1]
+        mean = sums[:c] / count
+        var = (sums[c:2 * c] / count - mean * mean).clamp(min=0)
+        mean, var = mean.to(x.dtype), var.to(x.dtype)
+        centered = x - mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self.running_mean.lerp_(mean, momentum)
+                unbiased = var * float(count / (count - 1).clamp(min=1))  # as torch's running variance
+                self.running_var.lerp_(unbiased, momentum)
+        out = centered * torch.rsqrt(var + self.eps)
+        return out * self.weight + self.bias if self.affine else out
+
+
 class _Relational(_LayeredGNN):
-    """One convolution per relation and layer (``self.convs[i][j]``), summed; the count is saved as a buffer.
+    """One convolution (rsage: a neighbor projection) per relation and layer, ``self.convs[i][j]``; the count is
+    saved as a buffer.
 
     The buffer lets a checkpoint rebuild the model without the graph
     (:func:`gnnray.inference.layerwise.load_model`).
@@ -198,11 +244,6 @@ class _Relational(_LayeredGNN):
     def num_layers(self) -> int:
         return len(self.convs)
 
-    def relations_sum(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        x_dst = h[:block.num_dst_nodes()]
-        subgraphs = relation_subgraphs(block, len(self.convs[i]))
-        return sum(conv(g, (h, x_dst)).flatten(1) for conv, g in zip(self.convs[i], subgraphs))
-
 
 class RGAT(_Relational):
     """RGAT as in DGL's MAG240M example: per layer, a ``GATConv`` per relation, summed, plus a linear skip.
@@ -210,7 +251,8 @@ class RGAT(_Relational):
     Each layer adds a linear projection of the destination nodes' own
     features to the sum over relations, then BatchNorm, ELU and dropout; an
     MLP (linear, BatchNorm, ReLU, dropout, linear) after the last layer gives
-    the logits.
+    the logits. The BatchNorms are synchronised across DDP ranks
+    (:class:`SyncBatchNorm`), as the example converts them.
 
     Args:
         in_feats: Input feature size.
@@ -233,19 +275,26 @@ class RGAT(_Relational):
             nn.ModuleList(GATConv(a, hidden, heads, allow_zero_in_degree=True) for _ in range(num_relations))
             for a in sizes)
         self.skips = nn.ModuleList(nn.Linear(a, width) for a in sizes)
-        self.norms = nn.ModuleList(nn.BatchNorm1d(width) for _ in sizes)
-        self.mlp = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(dropout),
+        self.norms = nn.ModuleList(SyncBatchNorm(width) for _ in sizes)
+        self.mlp = nn.Sequential(nn.Linear(width, width), SyncBatchNorm(width), nn.ReLU(), nn.Dropout(dropout),
                                  nn.Linear(width, num_classes))
         self.dropout = nn.Dropout(dropout)
 
     def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        h = self.skips[i](h[:block.num_dst_nodes()]) + self.relations_sum(i, block, h)
+        x_dst = h[:block.num_dst_nodes()]
+        subgraphs = relation_subgraphs(block, len(self.convs[i]))
+        h = self.skips[i](x_dst) + sum(conv(g, (h, x_dst)).flatten(1) for conv, g in zip(self.convs[i], subgraphs))
         h = self.dropout(nn.functional.elu(self.norms[i](h)))
         return self.mlp(h) if i == self.num_layers - 1 else h
 
 
 class RSAGE(_Relational):
-    """Relational GraphSAGE: a ``SAGEConv`` (mean) per relation, summed; ReLU and dropout between layers.
+    """Relational GraphSAGE: per layer one self-projection and a neighbor projection per relation.
+
+    ``h_v' = W_self h_v + b + sum_r W_r mean_{u in N_r(v)} h_u`` (the mean is 0
+    where ``v`` has no in-edge of relation ``r``): what R summed ``SAGEConv`` layers
+    compute, without their R - 1 redundant self-projections and biases. ReLU
+    and dropout between layers.
 
     Args:
         in_feats: Input feature size.
@@ -259,18 +308,35 @@ class RSAGE(_Relational):
     def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int, dropout: float,
                  num_relations: int):
         super().__init__(num_relations)
-        from dgl.nn import SAGEConv
-
         sizes = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
-        self.convs = nn.ModuleList(nn.ModuleList(SAGEConv(a, b, "mean") for _ in range(num_relations))
+        self.selfs = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.convs = nn.ModuleList(nn.ModuleList(nn.Linear(a, b, bias=False) for _ in range(num_relations))
                                    for a, b in zip(sizes[:-1], sizes[1:]))
         self.dropout = nn.Dropout(dropout)
 
     def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        h = self.relations_sum(i, block, h)
+        import dgl.function as fn
+
+        out = self.selfs[i](h[:block.num_dst_nodes()])
+        # Project before averaging when that narrows the rows to move, as SAGEConv does.
+        narrow = self.selfs[i].in_features > self.selfs[i].out_features
+        for linear, g in zip(self.convs[i], relation_subgraphs(block, len(self.convs[i]))):
+            with g.local_scope():
+                g.srcdata["h"] = linear(h) if narrow else h
+                g.update_all(fn.copy_u("h", "m"), fn.mean("m", "h"))
+                out = out + (g.dstdata["h"] if narrow else linear(g.dstdata["h"]))
         if i < self.num_layers - 1:
-            h = self.dropout(torch.relu(h))
-        return h
+            out = self.dropout(torch.relu(out))
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if any(k.startswith(prefix + "convs.") and k.endswith(".fc_neigh.weight") for k in state_dict):
+            raise CheckpointError(
+                "the checkpoint holds an rsage of the former layout (a SAGEConv per relation, keys "
+                "convs.I.J.fc_self/fc_neigh); rsage now has one self-projection per layer and a neighbor "
+                "projection per relation, so it cannot be loaded: train it again (a new --name), or predict "
+                "with the gnnray version that wrote it")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def build_model(in_feats: int, num_classes: int, num_layers: int, hidden: int, dropout: float,

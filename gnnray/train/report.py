@@ -2,22 +2,25 @@
 
 The metrics line goes to ``STORAGE_PATH/NAME/metrics.jsonl`` (the driver
 prints it, tools read it) and through ``ray.train.report`` every epoch, with a
-checkpoint when ``checkpoint.Schedule`` says one is due.
+checkpoint when ``checkpoint.Schedule`` says one is due. The checkpoint is
+written in place in the run's directory and reported without an upload: with
+``--feature-shards`` each embedding owner writes its own rows there from its
+node, so no process gathers the table (``train.checkpoint``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
-import tempfile
 import time
 from typing import Optional
 
 import torch
 
 from gnnray.train import checkpoint
-from gnnray.train.embedding import NodeEmbedding
+from gnnray.train.embedding import EmbeddingTable
 
 METRICS_LOG = "metrics.jsonl"  # rank 0 appends one JSON line per epoch
 PROGRESS_FILE = ".progress"  # rank 0 rewrites "epoch step steps" during an epoch
@@ -77,7 +80,7 @@ class PrivateMemory:
 
 
 def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str],
-           embedding: Optional[NodeEmbedding] = None, config: Optional[dict] = None, save: bool = True) -> None:
+           embedding: Optional[EmbeddingTable] = None, config: Optional[dict] = None, save: bool = True) -> None:
     """Report an epoch's ``metrics`` to Ray Train (every rank, every epoch); rank 0 first appends them to
     ``metrics_log`` and, with ``save``, attaches a checkpoint (``config`` stored in it)."""
     import ray.train
@@ -94,10 +97,15 @@ def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str
     if not save:
         ray.train.report(metrics)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        extra = {"embedding": embedding.state_dict()} if embedding else None
-        checkpoint.save(tmp, getattr(model, "module", model), optimizer, metrics, extra=extra, config=config)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+    storage = ray.train.get_context().get_storage()
+    name = f"checkpoint_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S.%f}"  # Ray's own naming
+    path = os.path.join(storage.experiment_fs_path, name)
+    os.makedirs(path)
+    # The embedding's files first (written where its rows are), then state.pt, then meta.json listing them all.
+    entry = embedding.save(path) if embedding else None
+    checkpoint.save(path, getattr(model, "module", model), optimizer, metrics, config=config, embedding=entry)
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint(path, filesystem=storage.storage_filesystem),
+                     checkpoint_dir_name=name, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
 
 
 

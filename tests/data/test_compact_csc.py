@@ -1,4 +1,4 @@
-"""The graph structure as int32 (compact_csc): the same graph, half the bytes, sampled by DGL without a copy."""
+"""The graph structure as int32 (compact_csc): the same graph, half the bytes, sampled by GraphBolt without a copy."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from gnnray.data.csc import build_csc, compact_csc, structure_dtype, typed_csc
+from gnnray.data.csc import build_csc, compact_csc, structure_dtypes, typed_csc
 from gnnray.data.graph import Graph
-from gnnray.data.store import to_dgl
+from gnnray.data.store import to_dgl, to_graphbolt
 from gnnray.data.synthetic import synthetic_hetero_parts, synthetic_parts
 from gnnray.data.validate import validate
-from gnnray.errors import DatasetError
 from gnnray.pipeline.batch import MiniBatch
 from gnnray.pipeline.sampler import Sampler
 
@@ -65,29 +64,29 @@ def test_typed_build_stores_int32_aligned_with_the_relations(reverse):
     validate(graph, "compact typed")
 
 
-def test_int64_structure_still_validates_and_a_mixed_pair_does_not():
+def test_int64_structure_still_validates_and_dgl_refuses_a_mixed_pair():
     graph = parts(typed=False).build()
     validate(wide(graph), "int64")
     mixed = dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64))
-    with pytest.raises(DatasetError, match="indptr and indices must have the same dtype"):
-        validate(mixed, "mixed")
+    validate(mixed, "mixed")
     with pytest.raises(ValueError, match="same dtype"):
-        to_dgl(mixed)
+        to_dgl(mixed)  # what GraphBolt is for (test_graphbolt_uses_the_arrays_without_a_copy)
 
 
 # ----------------------------------------------------------------------------- the rule
 
 
-@pytest.mark.parametrize("num_nodes, num_edges, dtype", [
-    (0, 0, np.int32),
-    (1000, 2**31 - 1, np.int32),  # the largest offset, 2**31 - 1, fits
-    (1000, 2**31, np.int64),
-    (1000, 2**33, np.int64),
-    (2**31 - 1, 10, np.int32),  # the largest node id, 2**31 - 2, fits
-    (2**31, 10, np.int64),
+@pytest.mark.parametrize("num_nodes, num_edges, ptr, idx", [
+    (0, 0, np.int32, np.int32),
+    (1000, 2**31 - 1, np.int32, np.int32),  # the largest offset, 2**31 - 1, fits
+    (1000, 2**31, np.int64, np.int32),  # only indptr widens: node ids still fit
+    (111_059_956, 3_231_371_744, np.int64, np.int32),  # papers100M, reverse edges
+    (2**31 - 1, 10, np.int32, np.int32),  # the largest node id, 2**31 - 2, fits
+    (2**31, 10, np.int32, np.int64),
+    (2**31, 2**33, np.int64, np.int64),
 ])
-def test_structure_dtype_is_int32_below_2_31_edges_and_nodes(num_nodes, num_edges, dtype):
-    assert structure_dtype(num_nodes, num_edges) == np.dtype(dtype)
+def test_each_structure_array_is_int32_while_its_values_fit(num_nodes, num_edges, ptr, idx):
+    assert structure_dtypes(num_nodes, num_edges) == (np.dtype(ptr), np.dtype(idx))
 
 
 class _Counted:
@@ -101,15 +100,15 @@ class _Counted:
         return self if np.dtype(dtype) == self.dtype else _Counted(self.shape[0], dtype)
 
 
-@pytest.mark.parametrize("num_nodes, num_edges, dtype", [
-    (100, 2**31 - 1, np.int32), (100, 2**31, np.int64), (2**31, 100, np.int64)])
-def test_compact_csc_follows_the_rule_from_the_counts(num_nodes, num_edges, dtype):
+@pytest.mark.parametrize("num_nodes, num_edges, ptr, idx", [
+    (100, 2**31 - 1, np.int32, np.int32), (100, 2**31, np.int64, np.int32), (2**31, 100, np.int32, np.int64)])
+def test_compact_csc_follows_the_rule_from_the_counts(num_nodes, num_edges, ptr, idx):
     indptr, indices = _Counted(num_nodes + 1), _Counted(num_edges)
     out_ptr, out_idx = compact_csc(indptr, indices)
-    assert out_ptr.dtype == out_idx.dtype == np.dtype(dtype)
-    if dtype == np.int64:  # kept as they are: no copy
-        assert out_ptr is indptr and out_idx is indices
-        assert indices.asked == [(np.dtype(np.int64), False)]
+    assert (out_ptr.dtype, out_idx.dtype) == (np.dtype(ptr), np.dtype(idx))
+    for before, after in ((indptr, out_ptr), (indices, out_idx)):
+        if after.dtype == np.int64:  # kept as it is: no copy
+            assert after is before and before.asked == [(np.dtype(np.int64), False)]
 
 
 def test_compact_csc_converts_the_values_and_keeps_int32_input():
@@ -123,22 +122,21 @@ def test_compact_csc_converts_the_values_and_keeps_int32_input():
     assert c is a and d is b
 
 
-# ----------------------------------------------------------------------------- DGL
+# ----------------------------------------------------------------------------- GraphBolt
 
 
 @pytest.fixture
-def one_dgl_thread():
-    """DGL samples in parallel with one random stream per thread: one thread makes a seed reproduce a batch."""
-    from dgl.utils import get_num_threads, set_num_threads
-
-    before = get_num_threads()
-    set_num_threads(1)
+def one_thread():
+    """GraphBolt samples on torch's threads with one random stream per thread: one thread makes a seed reproduce
+    a batch."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
-    set_num_threads(before)
+    torch.set_num_threads(before)
 
 
 def global_edges(mb: MiniBatch) -> list:
-    """Each block's edges as sorted (src, dst, relation) global ids: the same whatever order DGL numbered nodes in."""
+    """Each block's edges as sorted (src, dst, relation) global ids: the same whatever order nodes were numbered in."""
     src = mb.input_nodes.long()
     out = []
     for layer in mb.layers:
@@ -150,22 +148,24 @@ def global_edges(mb: MiniBatch) -> list:
 
 
 def sample(graph: Graph, fanouts, seeds: np.ndarray, seed: int) -> MiniBatch:
-    import dgl
+    import dgl.graphbolt
 
     sampler = Sampler(graph, fanouts)
-    dgl.seed(seed)
-    torch.manual_seed(seed)
+    dgl.graphbolt.seed(seed)
     return sampler.sample(seeds)
 
 
 @pytest.mark.parametrize("typed", [False, True])
-def test_int32_graph_samples_the_int64_graphs_blocks(one_dgl_thread, typed):
+def test_int32_graph_samples_the_int64_graphs_blocks(one_thread, typed):
     graph = parts(typed).build(True)
-    assert graph.indices.dtype == np.int32
-    assert to_dgl(graph).idtype == torch.int32 and to_dgl(wide(graph)).idtype == torch.int64
-    seeds = graph.train_idx[:64]  # int64: the sampler converts them to the graph's idtype
+    assert graph.indptr.dtype == graph.indices.dtype == np.int32
+    seeds = graph.train_idx[:64]  # int64: the sampler converts them to the dtype of indices
     fanouts = (4, 3, 2)
     compact, reference = sample(graph, fanouts, seeds, 7), sample(wide(graph), fanouts, seeds, 7)
+    # int64 offsets beside int32 ids (the layout past 2**31 edges): the same blocks, in int32 ids.
+    mixed = sample(dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64)), fanouts, seeds, 7)
+    assert mixed.input_nodes.dtype == mixed.layers[0].indptr.dtype == torch.int32
+    assert global_edges(mixed) == global_edges(reference)
     assert compact.input_nodes.dtype == compact.seeds.dtype == compact.layers[0].indices.dtype == torch.int32
     assert reference.input_nodes.dtype == torch.int64
     assert compact.labels.dtype == torch.int64 and compact.labels.tolist() == graph.label[seeds].tolist()
@@ -183,6 +183,21 @@ def test_int32_graph_samples_the_int64_graphs_blocks(one_dgl_thread, typed):
     assert packed.dtype == np.int32
     back = MiniBatch.unpack(torch.from_numpy(packed))
     assert global_edges(back) == edges
+
+
+@pytest.mark.parametrize("ptr, idx", [(np.int32, np.int32), (np.int64, np.int32), (np.int64, np.int64)])
+def test_graphbolt_uses_the_arrays_without_a_copy(ptr, idx):
+    graph = parts(typed=False).build(True)
+    g = dataclasses.replace(graph, indptr=graph.indptr.astype(ptr), indices=graph.indices.astype(idx))
+    sampler = Sampler(g, (3, 3))
+    mb = sampler.sample(g.train_idx[:32])
+    assert mb.input_nodes.dtype == torch.from_numpy(g.indices[:0]).dtype
+    # GraphBolt samples from the arrays themselves, in their own dtypes.
+    bolt = sampler._g
+    assert bolt.csc_indptr.data_ptr() == g.indptr.ctypes.data
+    assert bolt.csc_indptr.dtype == torch.from_numpy(g.indptr).dtype
+    assert bolt.indices.data_ptr() == g.indices.ctypes.data
+    assert to_graphbolt(g).indices.data_ptr() == g.indices.ctypes.data
 
 
 def test_to_dgl_uses_the_arrays_without_a_copy():
@@ -203,29 +218,28 @@ def test_to_dgl_uses_the_arrays_without_a_copy():
 
 
 @pytest.fixture
-def two_dgl_threads():
-    """More than one DGL thread: NeighborSampler's fused CPU path, the one with a node-sized scratch array."""
-    from dgl.utils import get_num_threads, set_num_threads
-
-    before = get_num_threads()
-    set_num_threads(2)
+def two_threads():
+    """Two torch threads: GraphBolt splits a batch's seeds over them (64 per task) and dedups them concurrently."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     yield
-    set_num_threads(before)
+    torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("structure", ["int32", "int64"])
-def test_fused_sampling_stays_right_batch_after_batch(two_dgl_threads, structure):
-    """DGL 2.1's fused path allocates its scratch as int64 and uses it as the idtype: the Sampler hands it one of the idtype.
+@pytest.mark.parametrize("structure", ["int32", "mixed", "int64"])
+def test_parallel_sampling_stays_right_batch_after_batch(two_threads, structure):
+    """Batch after batch on two threads, every block's edges are the graph's and its sources unique.
 
-    Without that, an int32 graph's batches after the first have sources past
-    the block's sources and edges the graph lacks.
+    (DGL 2.1's fused sampler, used before GraphBolt, went wrong after the
+    first batch on int32 graphs: this is the check that caught it.)
     """
     graph = parts(typed=False).build(True)
-    graph = graph if structure == "int32" else wide(graph)
+    graph = {"int32": graph, "int64": wide(graph),
+             "mixed": dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64))}[structure]
     sampler = Sampler(graph, (3, 2))
     rng = np.random.default_rng(0)
     for _ in range(20):
-        seeds = rng.choice(graph.num_nodes, 40, replace=False)
+        seeds = rng.choice(graph.num_nodes, 200, replace=False)
         mb = sampler.sample(seeds)
         src = mb.input_nodes.numpy()
         assert len(np.unique(src)) == len(src)
@@ -236,5 +250,3 @@ def test_fused_sampling_stays_right_batch_after_batch(two_dgl_threads, structure
                 have = set(graph.indices[graph.indptr[v]:graph.indptr[v + 1]].tolist())
                 assert set(src[indices[indptr[j]:indptr[j + 1]]].tolist()) <= have
             src = src[:layer.num_dst]
-    scratch = [m for ms in sampler._sampler.mapping.values() for m in ms]
-    assert scratch and all(m.dtype == torch.from_numpy(graph.indices[:0]).dtype for m in scratch)

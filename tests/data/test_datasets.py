@@ -212,8 +212,6 @@ def _set(a: np.ndarray, i, value) -> np.ndarray:
 
 
 BAD_GRAPHS = {
-    "int64 indptr, int32 indices": (lambda g: dict(indptr=g.indptr.astype(np.int64)),
-                                    "indptr and indices must have the same dtype"),
     "int16 indptr": (lambda g: dict(indptr=g.indptr.astype(np.int16)), "indptr must be a 1-D int32 or int64"),
     "float indices": (lambda g: dict(indices=g.indices.astype(np.float64)), "indices must be a 1-D int32 or int64"),
     "int32 label": (lambda g: dict(label=g.label.astype(np.int32)), "label must be a 1-D int64"),

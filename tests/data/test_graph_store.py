@@ -1,4 +1,4 @@
-"""Tests of gnnray.graph_store: the numpy Graph, CSC building, the object-store handle and the DGL view."""
+"""Tests of gnnray.graph_store: the numpy Graph, CSC building, the object-store handle, the DGL and GraphBolt views."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_graph
+from conftest import mapping_perms, tiny_graph
 from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
 from gnnray.data.store import publish, to_dgl
@@ -142,3 +142,33 @@ def test_to_dgl_over_read_only_store_arrays_does_not_copy(ray_cluster, graph):
     assert indptr.data_ptr() == got.indptr.ctypes.data
     assert indices.data_ptr() == got.indices.ctypes.data
     assert g.in_degrees().tolist() == np.diff(graph.indptr).tolist()
+
+
+@pytest.mark.parametrize("structure", ["int32", "mixed"])
+def test_sampler_reads_the_write_protected_store_arrays_in_place(ray_cluster, structure):
+    """GraphBolt samples from the store's read-only pages themselves, int64 ``indptr`` beside int32 ``indices`` too."""
+    from gnnray.data.csc import compact_csc
+    from gnnray.pipeline.sampler import Sampler
+
+    graph = tiny_graph(num_nodes=20_000, num_edges=200_000, seed=5)  # past Ray's 100 KiB inlining: in shared memory
+    indptr, indices = compact_csc(graph.indptr, graph.indices)
+    graph = dataclasses.replace(graph, indptr=indptr.astype(np.int64) if structure == "mixed" else indptr,
+                                indices=indices)
+    got = publish(graph).get()
+    assert (got.indptr.dtype, got.indices.dtype) == (graph.indptr.dtype, np.int32)
+
+    sampler = Sampler(got, (5, 5))
+    bolt = sampler._g
+    for tensor, array in ((bolt.csc_indptr, got.indptr), (bolt.indices, got.indices)):
+        assert tensor.data_ptr() == array.ctypes.data  # no copy
+        assert mapping_perms(tensor.data_ptr()) == "r--s"  # the read-only alias of the store's pages
+    seeds = graph.train_idx[:256]
+    mb = sampler.sample(seeds)
+    assert mb.seeds.tolist() == seeds.tolist() and mb.input_nodes.dtype == torch.int32
+    src = mb.input_nodes.long()
+    for layer in mb.layers:  # every sampled edge is one of the graph's
+        for j, v in enumerate(src[:layer.num_dst].tolist()):
+            picked = Counter(src[layer.indices[layer.indptr[j]:layer.indptr[j + 1]].long()].tolist())
+            have = Counter(graph.indices[graph.indptr[v]:graph.indptr[v + 1]].tolist())
+            assert not picked - have
+        src = src[:layer.num_dst]

@@ -4,9 +4,12 @@ Four Ray actors (the job's 2 train workers + 2 sampler actors) each attach the
 published graph, build the zero-copy DGL graph, sample and gather features,
 then report how much their private memory (USS) grew. A baseline of actors that
 copy the arrays (as ``mp.spawn`` examples do) shows the measurement sees a copy.
+With ``--feature-shards`` the driver holds no feature table either (its peak memory, in its own process).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -62,3 +65,43 @@ def test_graph_is_held_once_per_node(ray_cluster):
     assert max(shared) < 0.15 * size, f"USS growth per reader {mib} MiB vs graph {size / 2**20:.1f} MiB"
     # The baseline that copies does show up: the measurement can fail.
     assert min(copied) > 0.8 * size, f"copying readers grew only {[g / 2**20 for g in copied]} MiB"
+
+
+# A driver that publishes with --feature-shards, in its own process (its own peak RSS), joined to the tests'
+# cluster: prints its peak RSS after publishing.
+_DRIVER = """
+import json, sys
+from gnnray.config import DataConfig, JobConfig, RunConfig
+from gnnray.driver import launch
+data = DataConfig(**json.loads(sys.argv[1]))
+pub = launch.load_and_publish(JobConfig(data=data, run=RunConfig(name="mem", storage_path=sys.argv[2])))
+# VmHWM, not ru_maxrss: the latter keeps the peak of the forked pytest process across exec.
+print("PEAK", [int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+"""
+
+
+def _driver_peak(cluster, tmp_path, **data) -> int:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(data), str(tmp_path)], env=env, text=True,
+                          capture_output=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return int([line for line in proc.stdout.splitlines() if line.startswith("PEAK")][-1].split()[1])
+
+
+@pytest.mark.slow
+def test_the_driver_holds_no_feature_table(cluster, shard_nodes, tmp_path):
+    """With --feature-shards 3 the driver's peak memory does not grow with the feature table (generated on the
+    shard nodes, cache gathered on its node by a task); with one shard it loads the table and does."""
+    grow = {}
+    for shards in (1, 3):
+        peaks = [_driver_peak(cluster, tmp_path, dataset="synthetic", synthetic_nodes=100_000, synthetic_feat_dim=dim,
+                              feature_shards=shards) for dim in (16, 144)]
+        grow[shards] = peaks[1] - peaks[0]
+    table = 100_000 * 128 * 4  # 49 MiB more (K=1 must still fit the shard nodes' 80 MiB stores)
+    assert grow[3] < 0.2 * table, (grow, table)
+    assert grow[1] > 0.8 * table, (grow, table)  # the measurement sees a table the driver holds

@@ -67,3 +67,75 @@ def test_shards_go_to_nodes_that_fit_gpu_nodes_first_driver_last():
 def test_every_node_must_hold_structure_and_cache():
     with pytest.raises(ClusterError, match=r"node 10.0.0.4 .* --feature-cache"):
         choose_nodes(2, 30 * MiB, 10 * MiB, 20 * MiB, [_node(3, 200), _node(4, 50)], driver_node="")
+
+
+def test_lost_shards_go_to_distinct_nodes_that_fit_them():
+    """Repair: one node per lost shard; a node already holding a shard only if it fits a second one."""
+    held_one = _node(1, 200)  # holds one 60 MiB shard: 10 + 5 + 60 + 60 = 135 <= 180, fits a second
+    full = _node(2, 100)  # holds one: 135 > 90, no room for a second
+    spare = _node(3, 100)  # holds none: 75 <= 90
+    cluster = [full, held_one, spare]
+    held = {held_one.node_id: 60 * MiB, full.node_id: 60 * MiB}
+    chosen = choose_nodes(2, 10 * MiB, 60 * MiB, 5 * MiB, cluster, driver_node="", held=held)
+    assert [n.address for n in chosen] == ["10.0.0.3", "10.0.0.1"]  # the empty node first, never `full`
+    with pytest.raises(ClusterError, match=r"cannot rebuild 3 lost feature shard\(s\).* 2 of the 3 alive nodes "
+                                           r"have it; missing: 1 more node\(s\) with an object store of at least "
+                                           r"83.3 MiB"):
+        choose_nodes(3, 10 * MiB, 60 * MiB, 5 * MiB, cluster, driver_node="", held=held)
+
+
+def test_route_groups_rows_as_one_mask_per_shard_would():
+    from gnnray.data.shards import route
+
+    rng = np.random.default_rng(0)
+    starts = shard_bounds(10_000, 5)[:-1]
+    ids = rng.integers(0, 10_000, 4_000)
+    skip = rng.random(4_000) < 0.2
+    order, at = route(starts, ids, skip)
+    owner = np.searchsorted(starts, ids, side="right") - 1
+    for k in range(5):
+        assert np.array_equal(order[at[k]:at[k + 1]], np.flatnonzero((owner == k) & ~skip)), k
+    assert np.array_equal(order[at[-1]:], np.flatnonzero(skip))
+    order, at = route(starts, np.zeros(0, dtype=np.int64))
+    assert order.size == 0 and at.tolist() == [0] * 6
+
+
+def test_parquet_shard_reads_only_the_row_groups_of_its_range(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gnnray.data.features import ParquetRows
+
+    n, d = 1_000, 3
+    feat = np.random.default_rng(0).standard_normal((n, d)).astype(np.float32)
+    pq.write_table(pa.table({"id": np.arange(n), "feat": pa.FixedSizeListArray.from_arrays(pa.array(feat.ravel()),
+                                                                                           d)}),
+                   tmp_path / "nodes.parquet", row_group_size=100)  # 10 row groups of 100 ids each
+    read = []
+    original = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, **kw: read.append(i) or original(self, i, **kw))
+    source = ParquetRows(str(tmp_path / "nodes.parquet"), n)
+    assert np.array_equal(source.rows(250, 420), feat[250:420])
+    assert read == [2, 3, 4]  # ids 200..499: not the 7 other groups
+    read.clear()
+    assert np.array_equal(source.rows(0, n), feat)
+    assert read == list(range(10))
+
+
+def test_in_memory_tables_are_spilled_once_per_shard(tmp_path):
+    """The driver writes a table read into memory as one file per shard, and rebuilds shards from them."""
+    from gnnray.data.features import SpilledRows, spill
+
+    table = np.random.default_rng(0).standard_normal((1_000, 4)).astype(np.float32)
+    bounds = shard_bounds(1_000, 3)
+    spilled = spill(Normalized(ArrayRows(table)), bounds, str(tmp_path / "spill"), "float16")
+    assert isinstance(spilled, SpilledRows) and len(list((tmp_path / "spill").glob("*.npy"))) == 3
+    whole = Normalized(ArrayRows(table)).rows(0, 1_000).astype(np.float16)
+    assert np.array_equal(spilled.rows(0, 1_000), whole)
+    part = spilled.part(int(bounds[1]), int(bounds[2]))
+    assert len(part.files) == 1 and len(pickle.dumps(part)) < 1_000  # a path, not rows
+    assert np.array_equal(part.rows(int(bounds[1]), int(bounds[2])), whole[bounds[1]:bounds[2]])
+    # Sources that hold no rows here stay as they are (nothing written).
+    generated = RandomRows(0, 4, 1_000)
+    assert spill(generated, bounds, str(tmp_path / "none"), "float32") is generated
+    assert not (tmp_path / "none").exists()

@@ -217,3 +217,34 @@ def test_untyped_directory_rejects_null_features(tmp_path):
     (path / "meta.json").write_text(json.dumps({"num_nodes": 3, "num_classes": 2}))
     with pytest.raises(DatasetError, match="column 'feat' has 1 null values"):
         load(path)
+
+
+def test_symmetric_relations_merge_each_same_type_relation_with_its_reverse(tmp_path):
+    """DGL's MAG240M relation set: cites holds both directions; writes and affiliated_with keep their reverses."""
+    from gnnray.data.typed import symmetric_relations
+
+    g = load_graph(DataConfig(dataset=str(write_typed(tmp_path / "g"))))
+    before = typed_edges(g)
+    merged = symmetric_relations(g)
+    assert [r for _, r, _ in merged.edge_types] == ["cites", "writes", "affiliated_with", "rev_writes",
+                                                   "rev_affiliated_with"]
+    assert merged.etype.max() == len(merged.edge_types) - 1
+    after = typed_edges(merged)
+    want = Counter({(s, d, "cites" if r == "rev_cites" else r): c for (s, d, r), c in before.items()})
+    assert after == want and sum(c for (_, _, r), c in after.items() if r == "cites") == 2 * 4
+    # Without a same-type relation and its reverse there is nothing to merge.
+    plain = load_graph(DataConfig(dataset=str(write_typed(tmp_path / "h")), reverse_edges=False))
+    assert symmetric_relations(plain).edge_types == plain.edge_types
+    # The option gives the same graph through the loader, and refuses an untyped graph.
+    assert typed_edges(load(tmp_path / "g", symmetric_relations=True)) == after
+    untyped = tmp_path / "u"
+    untyped.mkdir()
+    pq.write_table(pa.table({"src": pa.array([0, 1], pa.int64()), "dst": pa.array([1, 2], pa.int64())}),
+                   untyped / "edges.parquet")
+    pq.write_table(pa.table({"id": pa.array(range(3), pa.int64()), "label": pa.array([0, 1, 0], pa.int64()),
+                             "split": pa.array(["train", "valid", "test"]),
+                             "feat": pa.array([[1.0], [0.0], [2.0]], pa.list_(pa.float32()))}),
+                   untyped / "nodes.parquet")
+    (untyped / "meta.json").write_text(json.dumps({"num_nodes": 3, "num_classes": 2}))
+    with pytest.raises(DatasetError, match="--symmetric-relations applies to typed graphs"):
+        load(untyped, symmetric_relations=True)

@@ -149,3 +149,34 @@ def test_mag240m_edge_ids_out_of_range_are_named(tmp_path):
             np.array([[0, 5], [0, 1]]))
     with pytest.raises(DatasetError, match=r"author___writes___paper/edge_index.npy: row 0 \(author ids\)"):
         load_graph(DataConfig(dataset="mag240m", data_dir=str(root)))
+
+
+def test_mag240m_replica_layout_builds_the_typed_csc_from_the_edge_files(tmp_path):
+    """A scaled-down MAG240M in OGB-LSC's exact layout (tests/data/mag_replica.py): every edge file's edges, and
+    their reverses, are in the CSC with their relation; features and splits as the files say."""
+    from mag_replica import write_mag240m_replica
+
+    root = write_mag240m_replica(tmp_path, scale=20_000)
+    d = root / "mag240m_kddcup2021"
+    g = load_graph(DataConfig(dataset="mag240m", data_dir=str(root)))
+    meta = torch.load(d / "meta.pt")
+    counts = {t: meta[t] for t in ("paper", "author", "institution")}
+    offset = dict(zip(counts, np.cumsum([0] + list(counts.values()))[:-1].tolist()))
+    assert g.num_nodes == sum(counts.values()) and g.indices.dtype == np.int32 and g.etype.dtype == np.int8
+    want = Counter()
+    for s, r, t in (("author", "writes", "paper"), ("author", "affiliated_with", "institution"),
+                    ("paper", "cites", "paper")):
+        e = np.load(d / "processed" / f"{s}___{r}___{t}" / "edge_index.npy")
+        want.update(zip((e[0] + offset[s]).tolist(), (e[1] + offset[t]).tolist(), [r] * e.shape[1]))
+        want.update(zip((e[1] + offset[t]).tolist(), (e[0] + offset[s]).tolist(), [f"rev_{r}"] * e.shape[1]))
+    assert typed_edges(g) == want
+    paper = np.load(d / "processed" / "paper" / "node_feat.npy")
+    np.testing.assert_array_equal(g.feat[:counts["paper"]], paper)
+    writes = np.load(d / "processed" / "author___writes___paper" / "edge_index.npy")
+    a = int(writes[0, 0])
+    np.testing.assert_allclose(g.feat[offset["author"] + a].astype(np.float32),
+                               paper[writes[1, writes[0] == a]].astype(np.float32).mean(0), rtol=2e-3, atol=2e-3)
+    split = torch.load(d / "split_dict.pt")
+    assert g.train_idx.tolist() == split["train"].tolist()
+    assert sorted(g.valid_idx.tolist() + g.test_idx.tolist()) == split["valid"].tolist()  # test-dev is unlabelled
+    assert (g.label[g.train_idx] >= 0).all() and (g.label[counts["paper"]:] == -1).all()

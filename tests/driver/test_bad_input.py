@@ -18,6 +18,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
+from conftest import mapping_perms
 from drills import SMALL, JobThread, logged, own_stderr
 from gnnray.driver import preflight as cluster
 from gnnray.config import parse_args
@@ -339,19 +340,11 @@ def test_read_only_alias_is_unmapped_with_its_last_view(ray_cluster):
                     total += hi - lo
         return total
 
-    def perms_at(address: int) -> str:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                if lo <= address < hi:
-                    return line.split()[1]
-        return ""
-
     graph = make_synthetic(4000, 4, 32, 5, seed=0)
     handle = publish(graph)
     before = read_only_store_bytes()
     g = handle.get()
-    assert perms_at(g.feat.ctypes.data) == perms_at(g.indices.ctypes.data) == "r--s"
+    assert mapping_perms(g.feat.ctypes.data) == mapping_perms(g.indices.ctypes.data) == "r--s"
     assert read_only_store_bytes() - before >= graph.nbytes
     feat = g.feat
     del g

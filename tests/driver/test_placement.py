@@ -2,7 +2,8 @@
 
 Shown: the job's train workers and sampler actors spread over nodes; each node's
 object store holds the graph once however many processes read it; a sampler
-actor reads the graph from its own node's copy.
+actor reads the graph from its own node's copy; with ``--feature-shards`` the
+train workers run on shard nodes, as far as those have room.
 """
 
 from __future__ import annotations
@@ -171,3 +172,105 @@ def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_pat
     assert workers | samplers == {a, b}  # 4 one-CPU actors, at most 3 CPUs a node: both nodes
     # The graph reached every node where a worker or sampler read it (and stays on the head, its owner).
     assert graph_nodes >= workers | samplers | {head}
+
+
+# ----------------------------------------------------------------------------- workers beside their shards
+
+
+def _sharded(node_ids: list):
+    """A stand-in graph handle whose features have one shard on each of ``node_ids`` (beside_shards reads no more)."""
+    from types import SimpleNamespace
+
+    from gnnray.data.shards import Shard, ShardedFeatures
+
+    shards = tuple(Shard(i * 10, (i + 1) * 10, n, "10.0.0.1", [None], None, [None]) for i, n in enumerate(node_ids))
+    return SimpleNamespace(features=ShardedFeatures(shards, 10 * len(node_ids), 4, "float32", None, 60.0))
+
+
+def _node(node_id: str, cpus: float, gpus: float = 0):
+    from gnnray.driver.preflight import Node
+
+    return Node(node_id, "10.0.0.1", cpus, gpus, 2**30)
+
+
+def _selected(cfg, handle, cluster, use_gpu=False):
+    from gnnray.driver.fit import NODE_ID_LABEL, beside_shards
+
+    selectors = beside_shards(cfg, handle, use_gpu, cluster)
+    return None if selectors is None else [s.get(NODE_ID_LABEL) for s in selectors]
+
+
+def test_beside_shards_spreads_workers_over_shard_nodes_as_far_as_they_fit():
+    head = _node("head", 6)
+    handle = _sharded(["a", "b", "c"])
+    two_cpus = [head] + [_node(n, 2) for n in "abc"]
+    # One sampler actor over 4 nodes: each shard node keeps 1 CPU for it and has room for one 1-CPU worker.
+    cfg = parse_args(["--num-workers", "2", "--sampler-actors", "1"])
+    assert _selected(cfg, handle, two_cpus) == ["a", "b"]  # distinct nodes, in shard order
+    cfg = parse_args(["--num-workers", "4", "--sampler-actors", "1"])
+    assert _selected(cfg, handle, two_cpus) == ["a", "b", "c", None]  # the fourth anywhere
+    # Room for two each: round-robin, so that no node gets a second worker before every node has one.
+    big = [head] + [_node(n, 8) for n in "abc"]
+    cfg = parse_args(["--num-workers", "5", "--sampler-actors", "1", "--cpus-per-worker", "3"])
+    assert _selected(cfg, handle, big) == ["a", "b", "c", "a", "b"]
+    # Sampler actors spread over the nodes take their share: 8 actors over 4 nodes leave no room on 2-CPU nodes.
+    cfg = parse_args(["--num-workers", "2", "--sampler-actors", "1,8"])
+    assert _selected(cfg, handle, two_cpus) is None
+    # A shard node that is gone (lost, not yet repaired) is skipped.
+    cfg = parse_args(["--num-workers", "2", "--sampler-actors", "1"])
+    assert _selected(cfg, handle, [head, _node("b", 2), _node("c", 2)]) == ["b", "c"]
+
+
+def test_beside_shards_needs_sharded_features_and_gpus_for_gpu_workers():
+    cfg = parse_args(["--num-workers", "2", "--sampler-actors", "1"])
+    cluster = [_node("head", 6)] + [_node(n, 16) for n in "ab"]
+    from types import SimpleNamespace
+
+    assert _selected(cfg, SimpleNamespace(features=None), cluster) is None  # replicated: Ray Train places them
+    handle = _sharded(["a", "b"])
+    assert _selected(cfg, handle, cluster, use_gpu=True) is None  # no GPU on the shard nodes
+    gpu = [_node("head", 6), _node("a", 16, gpus=1), _node("b", 16)]
+    assert _selected(cfg, handle, gpu, use_gpu=True) == ["a", None]
+
+
+@pytest.fixture
+def two_cpu_shard_nodes(cluster, ray_cluster):
+    """Three simulated nodes of 2 CPUs and a 100 MiB store: room for a train worker and a sampler actor each."""
+    added = [cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20) for _ in range(3)]
+    cluster.wait_for_nodes()
+    try:
+        yield [n.node_id for n in added]
+    finally:
+        for n in added:
+            cluster.remove_node(n)
+        cluster.wait_for_nodes()
+
+
+def test_train_workers_run_beside_their_shards(ray_cluster, two_cpu_shard_nodes, tmp_path, monkeypatch):
+    """K=3, no cache, two workers: each on its own shard node, so a third of its rows are local, not none."""
+    from ray._private.state import actors as actor_table
+
+    from gnnray.driver import launch
+    import gnnray.driver.fit
+
+    published = []
+    original = launch.load_and_publish
+
+    def recording(*args, **kwargs):
+        published.append(original(*args, **kwargs))
+        return published[-1]
+
+    monkeypatch.setattr(launch, "load_and_publish", recording)
+    before = set(actor_table())
+    args = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
+            "--batch-size", "128", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1", "--epochs", "1",
+            "--eval", "sampled", "--feature-shards", "3", "--feature-cache", "0"]
+    summary = gnnray.driver.fit.run(parse_args(args + ["--storage-path", str(tmp_path),
+                                                       "--name", f"beside-{uuid.uuid4().hex[:6]}"]))
+    shard_nodes = {s.node_id for s in published[-1].handle.features.shards}
+    workers = [i["Address"]["NodeID"] for aid, i in actor_table().items()
+               if aid not in before and "TrainWorker" in i["ActorClassName"]]
+    assert len(workers) == 2 and len(set(workers)) == 2, workers
+    assert set(workers) <= shard_nodes, (workers, shard_nodes)
+    # Rank 0 reads its own shard's third of the rows locally; a worker beside no shard would fetch them all.
+    assert summary.metrics["remote_row_share"] == pytest.approx(2 / 3, abs=0.1)

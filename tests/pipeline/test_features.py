@@ -179,3 +179,127 @@ def test_bad_rows_in_a_shard_name_the_file(shard_nodes, tmp_path):
     _graph_dir(tmp_path, feat, np.arange(n))
     with pytest.raises(DatasetError, match=r"nodes.parquet: column 'feat'.*1 feature rows contain NaN.*node 33"):
         launch.load_and_publish(JobConfig(data=DataConfig(dataset=str(tmp_path), feature_shards=2)))
+
+
+# Failures of a gather: the real reader and ShardServer over shards put on this node, listed under made-up
+# remote nodes (so that every row is fetched through a call), with a server that hangs where needed.
+
+FAR = "f" * 56  # no node has this id: the reader treats every shard as remote
+
+
+def _servers():
+    """(ShardServer actor class, a threaded server that hangs in gather until Ray cancels the call)."""
+    import ray
+
+    from gnnray.data.shards import ShardServer
+
+    class Hanging:
+        def __init__(self):
+            self.cancelled = False
+
+        def gather(self, local_ids):
+            import time
+
+            import ray
+
+            while not ray.get_runtime_context().is_canceled():
+                time.sleep(0.05)
+            self.cancelled = True
+            raise RuntimeError("cancelled")
+
+        def was_cancelled(self):
+            return self.cancelled
+
+    return (ray.remote(ShardServer).options(num_cpus=0, max_concurrency=8),
+            ray.remote(Hanging).options(num_cpus=0, max_concurrency=4))
+
+
+def _far_handle(table: np.ndarray, kinds: list, timeout_s: float = 30):
+    """A handle of ``table`` in ``len(kinds)`` shards; ``kinds[k]``: "ok", "dead", "hanging" or "short" (a server
+    holding fewer rows than its shard's range)."""
+    import ray
+
+    from gnnray.data.shards import Shard, ShardedFeatures, shard_bounds
+
+    served, hanging = _servers()
+    bounds = shard_bounds(table.shape[0], len(kinds))
+    shards, hangers = [], []
+    for k, kind in enumerate(kinds):
+        lo, hi = int(bounds[k]), int(bounds[k + 1])
+        ref = ray.put(table[lo:(lo + hi) // 2 if kind == "short" else hi].copy())
+        server = hanging.remote() if kind == "hanging" else served.remote([ref])
+        ray.get(server.__ray_ready__.remote())
+        if kind == "dead":
+            ray.kill(server)
+        if kind == "hanging":
+            hangers.append(server)
+        shards.append(Shard(lo, hi, FAR, f"10.9.9.{k}", [ref], server, [ray.put(hi - lo)]))
+    return ShardedFeatures(tuple(shards), table.shape[0], table.shape[1], str(table.dtype), None, timeout_s), hangers
+
+
+def _cancelled(hangers) -> bool:
+    """Whether every hanging call saw Ray's cancellation (polled for up to a minute: it is asynchronous)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + 60
+    while not all(ray.get([h.was_cancelled.remote() for h in hangers])):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _every_row(handle) -> np.ndarray:
+    return np.arange(handle.num_rows)
+
+
+@pytest.fixture
+def table(ray_cluster):
+    return np.random.default_rng(0).standard_normal((3_000, 6)).astype(np.float32)
+
+
+def test_far_shards_gather_like_near_ones(table):
+    """The made-up layout itself works: every row fetched by a call, exactly the table."""
+    from gnnray.pipeline.features import ShardedRows
+
+    handle, _ = _far_handle(table, ["ok", "ok", "ok"])
+    reader, out = ShardedRows(handle), np.full(table.shape, np.nan, dtype=np.float32)
+    ids = np.random.default_rng(1).permutation(3_000)
+    reader.gather(ids, out)
+    assert np.array_equal(out, table[ids]) and reader.stats().remote_calls == 3
+
+
+def test_a_dead_server_names_its_shard_and_node_and_the_other_calls_are_cancelled(table):
+    from gnnray.errors import FeatureShardError
+    from gnnray.pipeline.features import ShardedRows
+
+    handle, hangers = _far_handle(table, ["dead", "hanging", "ok"])
+    with pytest.raises(FeatureShardError, match=r"feature shard 0:1000 on node 10.9.9.0 \(ffffffff\) did not "
+                                                r"deliver rows: its server died"):
+        ShardedRows(handle).gather(_every_row(handle), np.empty(table.shape, dtype=np.float32))
+    assert _cancelled(hangers)  # without ray.cancel it would hang until the test's end
+
+
+def test_one_deadline_for_all_shards_names_every_late_one(table):
+    """Two shards hang: one overall timeout, and the error names both (a shard-by-shard wait names one)."""
+    from gnnray.errors import FeatureShardError
+    from gnnray.pipeline.features import ShardedRows
+
+    handle, hangers = _far_handle(table, ["ok", "hanging", "hanging"], timeout_s=2)
+    with pytest.raises(FeatureShardError, match=r"feature shard 1000:2000 on node 10.9.9.1 \(ffffffff\) and feature "
+                                                r"shard 2000:3000 on node 10.9.9.2 \(ffffffff\) did not deliver rows: "
+                                                r"no answer within 2s \(--feature-timeout\)"):
+        ShardedRows(handle).gather(_every_row(handle), np.empty(table.shape, dtype=np.float32))
+    assert _cancelled(hangers)
+
+
+def test_an_error_in_the_call_names_its_shard_and_node(table):
+    from gnnray.errors import FeatureShardError
+    from gnnray.pipeline.features import ShardedRows
+
+    handle, _ = _far_handle(table, ["ok", "short", "ok"])
+    with pytest.raises(FeatureShardError, match=r"feature shard 1000:2000 on node 10.9.9.1 \(ffffffff\) did not "
+                                                r"deliver rows: the call failed: .*IndexError"):
+        ShardedRows(handle).gather(_every_row(handle), np.empty(table.shape, dtype=np.float32))

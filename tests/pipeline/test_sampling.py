@@ -19,9 +19,11 @@ GRAPHS = {
     # Many duplicate edges (multigraph) and a few high in-degree nodes.
     "multi": lambda: tiny_graph(num_nodes=12, num_edges=150, seed=3),
     "random500": lambda: tiny_graph(num_nodes=500, num_edges=4000, seed=1),
-    # The structure as the loader stores it (compact_csc): int32, a DGL graph of idtype int32.
+    # The structure as the loader stores it (compact_csc): int32 below 2**31 edges.
     "multi-int32": lambda: compact(tiny_graph(num_nodes=12, num_edges=150, seed=3)),
     "random500-int32": lambda: compact(tiny_graph(num_nodes=500, num_edges=4000, seed=1)),
+    # Past 2**31 edges: int64 offsets beside int32 node ids.
+    "random500-mixed": lambda: wide_indptr(compact(tiny_graph(num_nodes=500, num_edges=4000, seed=1))),
 }
 FANOUTS = [(2,), (3, 2), (-1, 4), (5, -1, 2), (-1, -1)]
 
@@ -32,6 +34,10 @@ def compact(graph: Graph) -> Graph:
     indptr, indices = compact_csc(graph.indptr, graph.indices)
     assert indices.dtype == np.int32
     return dataclasses.replace(graph, indptr=indptr, indices=indices)
+
+
+def wide_indptr(graph: Graph) -> Graph:
+    return dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64))
 
 
 def in_edge_counts(graph: Graph, v: int) -> Counter:
@@ -110,7 +116,7 @@ def test_sampler_accepts_other_int_dtypes_and_lists():
     mb = sampler.sample(np.array([4, 2], dtype=np.int32))
     assert mb.seeds.dtype == torch.int64
     check_batch(graph, (3,), np.array([4, 2]), mb)
-    # An int32 graph takes int64 seeds (DGL wants its idtype) and gives int32 ids, int64 labels.
+    # An int32 graph takes int64 seeds (GraphBolt wants the dtype of indices) and gives int32 ids, int64 labels.
     small = compact(graph)
     mb = Sampler(small, (3,)).sample(np.array([4, 2], dtype=np.int64))
     assert mb.seeds.dtype == mb.input_nodes.dtype == torch.int32 and mb.labels.dtype == torch.int64
@@ -121,7 +127,7 @@ def test_default_epoch_is_evaluation():
     assert Sampler(tiny_graph(), (2,)).sample(np.array([0])).epoch == -1
 
 
-@pytest.mark.parametrize("structure", ["int64", "int32"])
+@pytest.mark.parametrize("structure", ["int64", "int32", "mixed"])
 def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster, structure):
     import pyarrow as pa
 
@@ -129,7 +135,8 @@ def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster, structure
     from gnnray.data.store import publish
     from gnnray.pipeline.seeds import SeedPlan
 
-    graph = tiny_graph() if structure == "int64" else compact(tiny_graph())
+    graph = {"int64": tiny_graph, "int32": lambda: compact(tiny_graph()),
+             "mixed": lambda: wide_indptr(compact(tiny_graph()))}[structure]()
     handle = publish(graph)
     plan = SeedPlan.for_run(graph.train_idx, batch_size=4, num_workers=1, seed=3)
     actor = SamplerActor(handle, (3, 2), plan)
@@ -157,3 +164,42 @@ def test_sampler_actor_empty_seed_batch_gives_empty_minibatch(ray_cluster):
     out = SamplerActor(publish(graph), (2,), plan)({"row": np.array([0, 1])})
     sizes = [MiniBatch.unpack(torch.from_numpy(p.copy())).num_seeds for p in from_arrow(out)]
     assert sorted(sizes) == [0, 1]
+
+
+def test_more_than_2_31_edges_int64_indptr_beside_int32_indices(tmp_path):
+    """A real graph past 2**31 edges: int64 offsets, int32 node ids, sampled right and in place.
+
+    Node 0 has 2**31 + 5 in-edges (self loops): a hole in a sparse file, so
+    ``indices`` is 8 GiB long and takes a few KiB of disk and memory. The
+    other nodes' edges lie past offset 2**31, where an int32 ``indptr`` could
+    not point.
+    """
+    from gnnray.data.csc import structure_dtypes
+
+    n, loops = 60, 2**31 + 5
+    rng = np.random.default_rng(0)
+    degree = rng.integers(0, 6, n - 1)
+    path = tmp_path / "indices.int32"
+    with open(path, "wb") as f:
+        f.truncate((loops + int(degree.sum())) * 4)
+    tail = np.memmap(path, dtype=np.int32, mode="r+", offset=loops * 4)
+    tail[:] = rng.integers(1, n, tail.size)  # no edge from node 0: check_batch would count its 2**31 in-edges
+    tail.flush()
+    del tail
+    indices = np.memmap(path, dtype=np.int32, mode="r")
+    indptr = np.concatenate([[0, loops], loops + np.cumsum(degree)]).astype(np.int64)
+    assert structure_dtypes(n, indices.size) == (np.int64, np.int32)
+    assert indptr[1] >= 2**31 and indptr[-1] == indices.size > 2**31
+    graph = Graph(indptr, indices, np.zeros((n, 0), np.float32), rng.integers(0, 3, n), np.arange(n),
+                  np.arange(0), np.arange(0), 3)
+    sampler = Sampler(graph, (4, 3))
+    assert sampler._g.csc_indptr.data_ptr() == indptr.ctypes.data  # no copy of either array
+    assert sampler._g.indices.data_ptr() == indices.ctypes.data
+    seeds = np.arange(1, n)  # not node 0, for the same reason
+    mb = sampler.sample(seeds)
+    assert mb.input_nodes.dtype == torch.int32
+    check_batch(graph, (4, 3), seeds, mb)
+    assert sum(int(l.indices.shape[0]) for l in mb.layers) > 0
+    # Node 0 samples too: 3 of its loops, from anywhere in its 2**31 offsets.
+    zero = sampler.sample(np.array([0]))
+    assert zero.layers[-1].indptr.tolist() == [0, 3] and zero.input_nodes.tolist() == [0]

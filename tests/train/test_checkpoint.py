@@ -185,3 +185,50 @@ def test_schedule_epochs_that_write_a_checkpoint():
             schedule.saved()
             written.append(epoch)
     assert written == [2, 5, 7]
+
+
+def _with_embedding(directory, bounds, n=10, dim=3):
+    """A checkpoint whose embedding is in shards ``bounds``; row ``i`` of the table is all ``i``."""
+    import numpy as np
+
+    os.makedirs(directory, exist_ok=True)
+    shards = []
+    for lo, hi in bounds:
+        w = np.repeat(np.arange(lo, hi, dtype=np.float32)[:, None], dim, axis=1)
+        shards.append(checkpoint.write_rows(str(directory), lo, hi, {
+            "weight": w, "exp_avg": -w, "exp_avg_sq": w * w, "step": np.arange(lo, hi, dtype=np.int32)}))
+    model, opt = trained_model()
+    checkpoint.save(str(directory), model, opt, {"epoch": 1, "best_val_acc": 0.5},
+                    embedding={"num_nodes": n, "dim": dim, "shards": shards})
+
+
+def test_embedding_rows_read_across_any_shards(tmp_path):
+    """A reader takes its rows from whichever saved shards overlap them: K=3 files read as K=2 ranges."""
+    import numpy as np
+
+    d = tmp_path / "checkpoint_e"
+    _with_embedding(d, [(0, 3), (3, 7), (7, 10)])
+    assert checkpoint.read_info(str(d)) is not None
+    assert checkpoint.corrupt_reason(str(d), ("embedding",)) is None  # the table is in its files, not state.pt
+    for lo, hi in ((0, 5), (5, 10), (2, 9)):
+        rows = checkpoint.read_rows(str(d), lo, hi)
+        np.testing.assert_array_equal(rows["weight"][:, 0], np.arange(lo, hi))
+        np.testing.assert_array_equal(rows["exp_avg"][:, 1], -np.arange(lo, hi))
+        assert rows["step"].tolist() == list(range(lo, hi)) and rows["step"].dtype == np.int32
+    assert checkpoint.embedding_info(str(d))["dim"] == 3
+
+
+def test_damaged_embedding_shards(tmp_path):
+    """A shard file cut short makes the checkpoint incomplete; shards that leave rows out make it corrupt."""
+    d = tmp_path / "checkpoint_short"
+    _with_embedding(d, [(0, 5), (5, 10)])
+    path = d / checkpoint.EMBEDDING_DIR / "rows-000000000005-000000000010" / "exp_avg.npy"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 4)
+    assert checkpoint.read_info(str(d)) is None
+
+    gap = tmp_path / "checkpoint_gap"
+    _with_embedding(gap, [(0, 4), (5, 10)])
+    assert "do not cover rows 0-10" in checkpoint.corrupt_reason(str(gap), ("embedding",))
+    latest, bad = checkpoint.latest_valid(str(tmp_path), ("embedding",))
+    assert latest is None and sorted(bad) == [str(gap), str(d)]

@@ -35,9 +35,9 @@ def test_models_learn_on_sampled_blocks(name):
     """forward(blocks, x) gives seed logits; nodes without in-edges are fine; a few steps fit a tiny graph."""
     graph = tiny_graph(num_nodes=80, num_edges=240, feat_dim=6)
     assert np.any(np.diff(graph.indptr) == 0)  # some nodes have no in-edges
-    import dgl
+    import dgl.graphbolt
 
-    dgl.seed(0)  # the sampled blocks, hence the losses, do not depend on the tests run before
+    dgl.graphbolt.seed(0)  # the sampled blocks, hence the losses, do not depend on the tests run before
     torch.manual_seed(0)
     model = build_model(6, graph.num_classes, 2, 16, 0.0, name=name, heads=2)
     mb = Sampler(graph, (4, 4)).sample(np.arange(80))

@@ -147,3 +147,47 @@ def test_checkpoint_rebuilds_the_relations(tmp_path, hetero):
     assert int(loaded.num_relations) == hetero.num_relations == len(loaded.convs[0])
     for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+def test_rsage_computes_what_summed_sageconvs_compute_with_one_self_projection(hetero):
+    """R SAGEConvs summed = one self-projection (their W_self and biases added up) + a W_neigh per relation."""
+    from dgl.nn import SAGEConv
+
+    torch.manual_seed(0)
+    block = Sampler(hetero, (5,)).sample(hetero.train_idx[:40]).blocks()[0]
+    r = hetero.num_relations
+    for a, b in ((hetero.feat_dim, 3), (4, 6)):  # projects before averaging (narrowing) and after
+        convs = [SAGEConv(a, b, "mean") for _ in range(r)]
+        h = torch.randn(block.num_src_nodes(), a)
+        x_dst = h[:block.num_dst_nodes()]
+        summed = sum(c(g, (h, x_dst)) for c, g in zip(convs, relation_subgraphs(block, r)))
+        model = RSAGE(a, 8, b, 1, 0.0, r)
+        assert len(model.selfs) == 1 and all(lin.bias is None for lin in model.convs[0])
+        with torch.no_grad():
+            model.selfs[0].weight.copy_(sum(c.fc_self.weight for c in convs))
+            model.selfs[0].bias.copy_(sum(c.fc_self.bias for c in convs))
+            for lin, c in zip(model.convs[0], convs):
+                lin.weight.copy_(c.fc_neigh.weight)
+            torch.testing.assert_close(model.layer(0, block, h), summed, rtol=1e-5, atol=1e-5)
+
+
+def test_a_former_rsage_checkpoint_is_refused_naming_the_cause(tmp_path, hetero):
+    from dgl.nn import SAGEConv
+
+    from gnnray.config import JobConfig, ModelConfig, SamplerConfig
+    from gnnray.errors import GnnrayError
+    from gnnray.inference.layerwise import load_model
+    from gnnray.train import checkpoint
+
+    # The former layout: a SAGEConv per relation and layer, under the same names.
+    old = RSAGE(hetero.feat_dim, 8, hetero.num_classes, 2, 0.0, hetero.num_relations)
+    old.convs = torch.nn.ModuleList(torch.nn.ModuleList(SAGEConv(a, b, "mean") for _ in range(hetero.num_relations))
+                                    for a, b in ((hetero.feat_dim, 8), (8, hetero.num_classes)))
+    del old.selfs
+    with pytest.raises(GnnrayError, match="former layout"):
+        RSAGE(hetero.feat_dim, 8, hetero.num_classes, 2, 0.0, hetero.num_relations).load_state_dict(old.state_dict())
+    cfg = JobConfig(model=ModelConfig(name="rsage", hidden=8), sampler=SamplerConfig(fanouts=(3, 2)))
+    (tmp_path / "ckpt").mkdir()
+    checkpoint.save(str(tmp_path / "ckpt"), old, torch.optim.Adam(old.parameters()), {"epoch": 0, "best_val_acc": 0.0})
+    with pytest.raises(GnnrayError, match="former layout.*train it again"):
+        load_model(str(tmp_path / "ckpt"), cfg, hetero.feat_dim, hetero.num_classes)
