@@ -318,10 +318,10 @@ class ShardedEmbedding(EmbeddingTable):
         return 0 if self._rows is None else self._rows.numel() * 4
 
     def _route(self, ids: np.ndarray):
-        """``(order, bounds)``: ``ids[order[bounds[k]:bounds[k + 1]]]`` are owner ``k``'s (one sort, no masks)."""
-        owner = np.searchsorted(self._starts, ids, side="right") - 1
-        order = np.argsort(owner, kind="stable")
-        return order, np.searchsorted(owner[order], np.arange(len(self._owners) + 1))
+        """``(order, bounds)``: ``ids[order[bounds[k]:bounds[k + 1]]]`` are owner ``k``'s (as feature shards route)."""
+        from gnnray.data.shards import route
+
+        return route(self._starts, ids)
 
     def _read(self, ids: np.ndarray) -> np.ndarray:
         rows = np.empty((len(ids), self.dim), dtype=np.float32)
