@@ -51,9 +51,20 @@ def parse_args(argv=None):
                    f"{DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME}")
     p.add_argument("--stages", default=",".join(STAGES),
                    help="comma-separated stages to run, of " + ", ".join(STAGES))
+    p.add_argument("--wall-repeats", type=int, default=Settings.wall_repeats,
+                   help="interleaved rounds of the whole runs (wall stage); each figure is the median over them")
+    p.add_argument("--wall-only", default="",
+                   help="comma-separated whole-run configurations to run, of " + ", ".join(wall.SHORT_NAMES)
+                   + "; empty: all")
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
     args = p.parse_args(argv)
     args.stages = set(args.stages.split(","))
+    args.wall_only = tuple(n for n in args.wall_only.split(",") if n)
+    if set(args.wall_only) - set(wall.SHORT_NAMES):
+        p.error(f"--wall-only: unknown {', '.join(sorted(set(args.wall_only) - set(wall.SHORT_NAMES)))}; choose "
+                f"from {', '.join(wall.SHORT_NAMES)}")
+    if args.wall_repeats < 1:
+        p.error("--wall-repeats must be at least 1")
     if args.stages - set(STAGES):
         p.error(f"--stages: unknown {', '.join(sorted(args.stages - set(STAGES)))}; choose from {', '.join(STAGES)}")
     if args.sharding and args.json == str(DEFAULT_JSON):
@@ -67,7 +78,7 @@ def settings_for(args) -> Settings:
     except ConfigError as e:
         raise SystemExit(f"bench/benchmark.py: error: {e}") from None
     s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, workers=args.workers,
-                 max_ahead=args.max_ahead)
+                 max_ahead=args.max_ahead, wall_repeats=args.wall_repeats, wall_only=args.wall_only)
     if args.quick:
         s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
                                 baseline_warmup=2, baseline_steps=18, memory_batches=2, fast_epochs=3,

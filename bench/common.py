@@ -49,6 +49,8 @@ class Settings:
     fast_epochs: int = 4  # at least 3, as epochs
     # Whole runs (wall.py): a short and a longer run of every configuration; their difference is steady state.
     wall_epochs: tuple = (1, 4)
+    wall_repeats: int = 3  # interleaved rounds of every pair; each figure is their median
+    wall_only: tuple = ()  # wall.SHORT_NAMES of the configurations to run (empty: all)
     # Figure 4: batches each probe process samples before it is measured.
     memory_batches: int = 4
     memory_processes: tuple = (1, 2, 4)

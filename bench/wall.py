@@ -19,6 +19,11 @@ seconds, validation and everything between epochs included, and costs
 machine (its non-idle time in ``/proc/stat``: every process, Ray's daemons
 included). That CPU figure does not depend on how many cores the machine has.
 
+The pairs run in ``--wall-repeats`` rounds, each round every configuration
+once in turn, and each figure is the median over the rounds. Whole runs on
+one machine drift by 10-15% between hours (docs/performance.md): only
+configurations interleaved within one benchmark run are compared.
+
 During ours' long run, :mod:`bench.cpu` snapshots every process's CPU time
 at each epoch's line in ``metrics.jsonl``; the windows between those lines,
 but the last, are steady epochs, and their medians per process group make
@@ -115,6 +120,8 @@ def ours(cfg: JobConfig) -> dict:
     r = timed("train_arxiv.py", [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *argv], log)
     epochs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     lines = r.pop("stdout").splitlines()
+    if any("already finished" in line for line in lines):  # a resumed, finished run: nothing was measured
+        raise RuntimeError(f"run {cfg.run.name!r} under {cfg.run.storage_path} had already finished")
     plan = [line for line in lines if line.startswith("cpu plan:")]
     summary = [line for line in lines if line.startswith("best_val_acc=")]
     return dict(r, argv=argv, plan=plan[0] if plan else None, summary=summary[-1] if summary else None,
@@ -151,63 +158,104 @@ def _epochs(run: dict) -> int:
     return len(run["epochs"])
 
 
-def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int) -> dict:
-    """Ours (plan on, plan off, DDP) and the DGL loops, each a function running ``epochs`` epochs."""
+def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, round_: int = 0) -> dict:
+    """Ours (plan on, plan off, DDP) and the DGL loops, each a function running ``epochs`` epochs.
+
+    Each round's runs get names of their own: the same name would resume the last round's finished run.
+    """
     def cfg(name: str, workers: int = 1, **train) -> JobConfig:
-        c = job_config(data, dataclasses.replace(s, epochs=epochs, workers=workers), workdir, f"{name}-{epochs}")
+        c = job_config(data, dataclasses.replace(s, epochs=epochs, workers=workers), workdir,
+                       f"{name}-{epochs}-r{round_}")
         return dataclasses.replace(c, train=dataclasses.replace(c.train, **train))
 
     one = cfg("wall-1")
     runs = {
-        "ours, 1 worker": lambda: ours(one),
+        ONE: lambda: ours(one),
         # Ray's defaults as a new user gets them: one thread per --cpus-per-worker 1.
-        "ours, 1 worker, --cpu-plan off": lambda: ours(cfg("wall-off", cpu_plan="off")),
-        f"ours, {s.ddp_workers} DDP workers": lambda: ours(cfg("wall-ddp", workers=s.ddp_workers)),
+        OFF: lambda: ours(cfg("wall-off", cpu_plan="off")),
+        ddp_name(s): lambda: ours(cfg("wall-ddp", workers=s.ddp_workers)),
     }
     for name, (w, affinity) in DGL_LOADERS.items():
         runs[name] = lambda w=w, affinity=affinity: dgl(one, s.cores, w, affinity)
-    return runs
+    return {k: v for k, v in runs.items() if not s.wall_only or k in chosen(s)}
+
+
+ONE, OFF = "ours, 1 worker", "ours, 1 worker, --cpu-plan off"
+# --wall-only's short names.
+SHORT_NAMES = {"ours": ONE, "off": OFF, "ddp": None, "dgl0": "DGL num_workers=0", "dgl1": "DGL num_workers=1",
+               "dgl1-affinity": "DGL num_workers=1 + enable_cpu_affinity"}
+
+
+def ddp_name(s: Settings) -> str:
+    return f"ours, {s.ddp_workers} DDP workers"
+
+
+def chosen(s: Settings) -> set:
+    return {SHORT_NAMES[n] or ddp_name(s) for n in s.wall_only}
 
 
 def bench_wall(data: DataConfig, s: Settings, workdir: Path, train_seeds: int) -> list[Row]:
-    """Every configuration for both run lengths, one configuration after the other; the rows and the table."""
+    """Every configuration for both run lengths, in ``s.wall_repeats`` interleaved rounds; the rows and the table."""
     short, long = s.wall_epochs[0], s.wall_epochs[-1]
-    results = {}
-    for name in configurations(data, s, workdir, short):
-        runs = {}
-        for epochs in (short, long):
-            runs[epochs] = attempt(configurations(data, s, workdir, epochs)[name])
-            if not isinstance(runs[epochs], Exception):
-                r = runs[epochs]
-                print(f"[wall] {name}, {epochs} epoch(s): {r['wall_s']:.1f} s, {r['cpu_s']:.1f} CPU-s", flush=True)
-        results[name] = steady(runs[short], runs[long], long - short, train_seeds)
-    return rows_for(results, s)
+    rounds = {name: [] for name in configurations(data, s, workdir, short)}
+    for i in range(s.wall_repeats):
+        for name in rounds:
+            runs = {}
+            for epochs in (short, long):
+                runs[epochs] = attempt(configurations(data, s, workdir, epochs, i)[name])
+                if not isinstance(runs[epochs], Exception):
+                    r = runs[epochs]
+                    print(f"[wall] round {i + 1}/{s.wall_repeats}: {name}, {epochs} epoch(s): {r['wall_s']:.1f} s, "
+                          f"{r['cpu_s']:.1f} CPU-s", flush=True)
+            rounds[name].append(steady(runs[short], runs[long], long - short, train_seeds))
+    return rows_for({name: median_round(r, train_seeds) for name, r in rounds.items()}, s)
+
+
+def median_round(rounds: list, seeds_per_epoch: int) -> Result:
+    """The median over rounds of each figure of :func:`steady`; every round is kept under ``rounds``."""
+    done = [r for r in rounds if not isinstance(r, Exception)]
+    if not done:
+        return rounds[0]
+    epoch_s = statistics.median(r["epoch_s"] for r in done)
+    out = dict(epoch_s=epoch_s, seeds_per_s=seeds_per_epoch / epoch_s,
+               cpu_s=statistics.median(r["cpu_s"] for r in done),
+               start_s=statistics.median(r["start_s"] for r in done),
+               epoch_s_rounds=[r["epoch_s"] for r in done], cpu_s_rounds=[r["cpu_s"] for r in done],
+               failed_rounds=len(rounds) - len(done), rounds=done)
+    groups = sorted({g for r in done for g in r.get("by_process", {})})
+    if groups:
+        out["by_process"] = {g: statistics.median(r.get("by_process", {}).get(g, 0.0) for r in done)
+                             for g in groups}
+    return out
 
 
 def rows_for(results: dict, s: Settings) -> list[Row]:
+    """The table's rows for the configurations that ran (``--wall-only`` may leave some out)."""
     dgl = {k: v for k, v in results.items() if k in DGL_LOADERS and not isinstance(v, Exception)}
     best_name = max(dgl, key=lambda k: dgl[k]["seeds_per_s"]) if dgl else "DGL num_workers=0"
     best = dgl.get(best_name, results.get(best_name))
-    one, off = results["ours, 1 worker"], results["ours, 1 worker, --cpu-plan off"]
-    ddp = results[f"ours, {s.ddp_workers} DDP workers"]
-    loop0 = results["DGL num_workers=0"]
-    rows = [compare(f"{FIGURE}: steady seeds/s, 1 worker vs best DGL ({best_name})", ">= 1.0x", one, best,
-                    "seeds_per_s", lambda r: r >= 1.0),
-            compare(f"{FIGURE}: CPU-s per steady epoch (machine), 1 worker vs DGL num_workers=0", "<= 1.15x", one,
-                    loop0, "cpu_s", lambda r: r <= 1.15, show="{:.1f}"),
-            compare(f"{FIGURE}: steady seeds/s, {s.ddp_workers} DDP workers vs best DGL ({best_name})", ">= 1.0x",
-                    ddp, best, "seeds_per_s", lambda r: r >= 1.0),
-            compare(f"{FIGURE}: CPU-s per steady epoch, {s.ddp_workers} DDP workers vs DGL num_workers=0", "", ddp,
-                    loop0, "cpu_s", show="{:.1f}"),
-            compare(f"{FIGURE}: steady seeds/s, 1 worker, CPU plan on vs off", "", one, off, "seeds_per_s"),
-            compare(f"{FIGURE}: CPU-s per steady epoch, 1 worker, CPU plan on vs off", "", one, off, "cpu_s",
-                    show="{:.1f}")]
-    for name, r in dgl.items():
-        if name != best_name:
-            rows.append(compare(f"{FIGURE}: steady seeds/s, 1 worker vs {name}", "", one, r, "seeds_per_s"))
-    rows.append(compare(f"{FIGURE}: outside the steady epochs (start-up, test), 1 worker vs DGL num_workers=0", "",
-                        one, loop0, "start_s", show="{:.1f} s"))
-    rows[0].detail["all"] = results
+    one, off, ddp = results.get(ONE), results.get(OFF), results.get(ddp_name(s))
+    loop0 = results.get("DGL num_workers=0")
+    wanted = [
+        (one, best, f"{FIGURE}: steady seeds/s, 1 worker vs best DGL ({best_name})", ">= 1.0x", "seeds_per_s",
+         lambda r: r >= 1.0, "{:.0f}"),
+        (one, loop0, f"{FIGURE}: CPU-s per steady epoch (machine), 1 worker vs DGL num_workers=0", "<= 1.15x",
+         "cpu_s", lambda r: r <= 1.15, "{:.1f}"),
+        (ddp, best, f"{FIGURE}: steady seeds/s, {s.ddp_workers} DDP workers vs best DGL ({best_name})", ">= 1.0x",
+         "seeds_per_s", lambda r: r >= 1.0, "{:.0f}"),
+        (ddp, loop0, f"{FIGURE}: CPU-s per steady epoch, {s.ddp_workers} DDP workers vs DGL num_workers=0", "",
+         "cpu_s", None, "{:.1f}"),
+        (one, off, f"{FIGURE}: steady seeds/s, 1 worker, CPU plan on vs off", "", "seeds_per_s", None, "{:.0f}"),
+        (one, off, f"{FIGURE}: CPU-s per steady epoch, 1 worker, CPU plan on vs off", "", "cpu_s", None, "{:.1f}"),
+    ]
+    wanted += [(one, r, f"{FIGURE}: steady seeds/s, 1 worker vs {name}", "", "seeds_per_s", None, "{:.0f}")
+               for name, r in dgl.items() if name != best_name]
+    wanted.append((one, loop0, f"{FIGURE}: outside the steady epochs (start-up, test), 1 worker vs DGL "
+                   "num_workers=0", "", "start_s", None, "{:.1f} s"))
+    rows = [compare(figure, target, ours_, base, key, meets, show=show)
+            for ours_, base, figure, target, key, meets, show in wanted if ours_ is not None and base is not None]
+    if rows:
+        rows[0].detail["all"] = results
     return rows
 
 

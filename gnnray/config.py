@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 import os
 import typing
 from dataclasses import dataclass, field, fields
@@ -105,18 +106,92 @@ class DataConfig(_Options):
     synthetic_avg_degree: int = option(10, "average in-degree of the synthetic graph", **at_least(1))
 
 
-def _valid_fanouts(fanouts: tuple) -> bool:
-    return len(fanouts) > 0 and all(f > 0 or f == -1 for f in fanouts)
+@dataclass(frozen=True)
+class Fanouts:
+    """``--fanouts``: neighbors sampled per layer (input layer first), and per relation on typed graphs.
+
+    ``layers`` is the default list; on a typed graph every relation gets that
+    many per layer (as DGL's samplers do on heterographs) unless ``relations``
+    gives it its own list, as ``(relation, fanouts)`` pairs. ``len`` and
+    iteration give ``layers``, so it serves where a tuple of fanouts was
+    expected. Its text: ``10,10;cites=5,5;rev_writes=3,3``.
+    """
+
+    layers: tuple[int, ...] = (10, 10, 10)
+    relations: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def __post_init__(self):
+        # Lists as code, JSON checkpoints and dataclasses.asdict give them: stored as tuples (hashable, comparable).
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "relations", tuple((str(r), tuple(f)) for r, f in self.relations))
+        values = [v for f in [self.layers] + [f for _, f in self.relations] for v in f]
+        if not self.layers or not all(isinstance(v, numbers.Integral) and (v > 0 or v == -1) for v in values):
+            raise ConfigError(f"--fanouts {str(self)!r}: each fanout must be a positive integer (or -1 for all "
+                              f"neighbors)")
+        names = [r for r, _ in self.relations]
+        for r, f in self.relations:
+            if names.count(r) > 1:
+                raise ConfigError(f"--fanouts {str(self)!r}: relation {r!r} is given twice; give it once")
+            if len(f) != len(self.layers):
+                raise ConfigError(f"--fanouts {str(self)!r}: relation {r!r} has {len(f)} fanouts but the default "
+                                  f"list {_show(self.layers)} has {len(self.layers)} layers; give one per layer")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __str__(self) -> str:
+        return ";".join([_show(self.layers)] + [f"{r}={_show(f)}" for r, f in self.relations])
+
+    def of(self, relation: str) -> tuple[int, ...]:
+        """``relation``'s fanouts, input layer first: its own list, else the default."""
+        return dict(self.relations).get(relation, self.layers)
+
+    @classmethod
+    def parse(cls, text: str) -> "Fanouts":
+        """``10,10`` or ``10,10;cites=5,5;rev_writes=3,3``; raises :class:`ConfigError` naming ``--fanouts``."""
+        def numbers(t: str, what: str) -> tuple:
+            try:
+                values = tuple(int(v) for v in t.split(",") if v.strip())
+            except ValueError:
+                values = ()
+            if not values:
+                raise ConfigError(f"--fanouts {text!r}: {what} {t.strip()!r} is not a list of fanouts; expected "
+                                  f"comma-separated integers, one per layer, e.g. 10,10 (or 10,10;cites=5,5 for "
+                                  f"a relation's own)")
+            return values
+
+        first, *rest = text.split(";")
+        if "=" in first:
+            raise ConfigError(f"--fanouts {text!r}: the default list comes first, then a relation's own after ';', "
+                              f"e.g. 10,10;cites=5,5")
+        relations = []
+        for part in filter(str.strip, rest):
+            name, eq, values = part.partition("=")
+            if not eq or not name.strip():
+                raise ConfigError(f"--fanouts {text!r}: {part.strip()!r} is not relation=fanouts; write e.g. "
+                                  f"10,10;cites=5,5")
+            relations.append((name.strip(), numbers(values, f"relation {name.strip()!r}:")))
+        return cls(numbers(first, "the default list"), tuple(relations))
+
+    @classmethod
+    def of_value(cls, value: Any) -> "Fanouts":
+        """A :class:`Fanouts` from itself, a list of ints (code, older checkpoints) or ``dataclasses.asdict``'s dict."""
+        if isinstance(value, Fanouts):
+            return value
+        return cls(**value) if isinstance(value, dict) else cls(tuple(value))
 
 
 @dataclass(frozen=True)
 class SamplerConfig(_Options):
     """How seed batches become sampled mini-batches."""
 
-    fanouts: tuple[int, ...] = option((10, 10, 10), "neighbors sampled per layer, input layer first; the number of "
-                                      "layers is the number of fanouts; -1 takes all neighbors (write "
-                                      "--fanouts=-1,-1)", check=_valid_fanouts,
-                                      need="each fanout must be a positive integer (or -1 for all neighbors)")
+    fanouts: Fanouts = option(Fanouts(), "neighbors sampled per layer, input layer first; the number of layers "
+                              "is the number of fanouts; -1 takes all neighbors (write --fanouts=-1,-1). On a typed "
+                              "graph each relation gets that many per layer; relation=list parts after ';' give a "
+                              "relation its own, e.g. '10,10;cites=5,5;rev_writes=3,3'")
     batch_size: int = option(1024, "seed nodes per mini-batch per train worker", **at_least(1))
     actors: tuple[int, ...] = option((1, 2), "size of the sampler actor pool (a single number fixes it)",
                                      flag="--sampler-actors", metavar="MIN,MAX",
@@ -128,9 +203,13 @@ class SamplerConfig(_Options):
                                       "least that keeps every sampler actor busy: 16-row seed blocks, three per "
                                       "worker and one per actor; less is refused)", **at_least(1))
 
+    def __post_init__(self):
+        object.__setattr__(self, "fanouts", Fanouts.of_value(self.fanouts))  # code may give a list of ints
+        super().__post_init__()
+
     @property
     def num_layers(self) -> int:
-        return len(self.fanouts)
+        return len(self.fanouts.layers)
 
     @property
     def actors_min(self) -> int:
@@ -161,7 +240,14 @@ class TrainConfig(_Options):
     epochs: int = option(10, "number of epochs", **at_least(1))
     lr: float = option(0.003, "Adam learning rate", **POSITIVE)
     weight_decay: float = option(0.0, "Adam weight decay", **at_least(0))
-    num_workers: int = option(2, "Ray Train workers (DDP ranks)", **at_least(1))
+    num_workers: tuple[int, ...] = option((2,), "Ray Train workers (DDP ranks); MIN,MAX makes the run elastic: it "
+                                          "starts once MIN fit, grows to MAX as nodes join and shrinks when nodes "
+                                          "leave, the global batch staying --batch-size x MAX (README, Elastic runs)",
+                                          metavar="N|MIN,MAX", check=lambda w: len(w) in (1, 2) and 1 <= w[0] <= w[-1],
+                                          need="expected N, or MIN,MAX with 1 <= MIN <= MAX")
+    resize_interval: float = option(60.0, "with --num-workers MIN,MAX: seconds between Ray Train's looks for nodes "
+                                    "that joined (each resize restarts the workers from the last checkpoint; lost "
+                                    "nodes are noticed at once)", metavar="SECONDS", **at_least(0))
     use_gpu: Optional[bool] = option(None, "train on GPUs (auto: when the cluster has any)")
     cpus_per_worker: float = option(1.0, "CPUs per train worker", **POSITIVE)
     prefetch: int = option(2, "mini-batches each worker prepares ahead of the current step", **at_least(1))
@@ -178,6 +264,24 @@ class TrainConfig(_Options):
     trainer_threads: int = option(0, "torch and DGL threads per train worker, overriding the CPU plan's (0: from "
                                   "the plan)", **at_least(0))
 
+    def __post_init__(self):
+        if isinstance(self.num_workers, int):  # code (and checkpoints of older versions) may give one number
+            object.__setattr__(self, "num_workers", (self.num_workers,))
+        super().__post_init__()
+
+    @property
+    def workers_min(self) -> int:
+        return self.num_workers[0]
+
+    @property
+    def workers_max(self) -> int:
+        return self.num_workers[-1]
+
+    @property
+    def elastic(self) -> bool:
+        """``--num-workers MIN,MAX``: Ray Train's elastic worker group (a single number keeps the fixed one)."""
+        return len(self.num_workers) == 2
+
 
 @dataclass(frozen=True)
 class RunConfig(_Options):
@@ -193,6 +297,9 @@ class RunConfig(_Options):
                                         "passed since the last one (or the attempt's start), and always after the "
                                         "last epoch: a restart loses at most this much work (0: every epoch)",
                                         metavar="SECONDS", **at_least(0))
+    checkpoint_every: int = option(0, "also write a checkpoint within an epoch every STEPS optimizer steps, so a "
+                                   "failure or resize trains at most that many again (0: at epoch ends only, as "
+                                   "--checkpoint-interval says)", metavar="STEPS", **at_least(0))
     seed: int = option(0, "random seed (shuffling, initialisation, synthetic data, random features)")
     verbose: bool = option(False, "also print Ray's own INFO logs (otherwise in its session logs, see README)")
 
@@ -232,6 +339,8 @@ def _parser_of(kind: Any, flag: str) -> Callable[[str], Any]:
         words = {"auto": None, "yes": True, "true": True, "1": True, "on": True,
                  "no": False, "false": False, "0": False, "off": False}
         return lambda t: words[t.strip().lower()] if t.strip().lower() in words else fail(t, "auto, yes or no")
+    if kind is Fanouts:
+        return Fanouts.parse
     if kind == tuple[int, ...]:
         def int_list(t: str) -> tuple:
             try:

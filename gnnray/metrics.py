@@ -20,6 +20,7 @@ name                                        kind       meaning
 ``gnnray_train_acc``                        gauge      last epoch's training accuracy
 ``gnnray_val_acc``                          gauge      validation accuracy after the last epoch
 ``gnnray_train_epochs_completed``           gauge      epochs finished in the run
+``gnnray_train_world_size``                 gauge      train workers (ranks) of the last epoch's group
 ``gnnray_feature_remote_bytes``             counter    feature bytes fetched from other nodes' shards
 ``gnnray_feature_remote_rows``              counter    feature rows fetched from other nodes' shards
 ``gnnray_feature_cached_rows``              counter    feature rows read from the node's cache
@@ -84,6 +85,7 @@ class TrainMetrics:
             train_acc=("gauge", "gnnray_train_acc", "Training accuracy of the last epoch."),
             val_acc=("gauge", "gnnray_val_acc", "Validation accuracy after the last epoch."),
             epochs=("gauge", "gnnray_train_epochs_completed", "Epochs finished in the run."),
+            world_size=("gauge", "gnnray_train_world_size", "Train workers (ranks) of the last epoch's group."),
             remote_bytes=("counter", "gnnray_feature_remote_bytes", "Feature bytes fetched from other nodes."),
             remote_rows=("counter", "gnnray_feature_remote_rows", "Feature rows fetched from other nodes."),
             cached_rows=("counter", "gnnray_feature_cached_rows", "Feature rows read from the node's cache."),
@@ -113,7 +115,7 @@ class TrainMetrics:
 
     def epoch(self, epoch: int, stats: dict) -> None:
         """Record the end of ``epoch`` (0-based) with the train loop's per-epoch ``stats``."""
-        for key in ("seeds_per_s", "data_wait", "loss", "train_acc", "val_acc"):
+        for key in ("seeds_per_s", "data_wait", "loss", "train_acc", "val_acc", "world_size"):
             if key in stats:
                 self._m[key].set(float(stats[key]))
         self._m["epochs"].set(epoch + 1)

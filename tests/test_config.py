@@ -16,7 +16,7 @@ FLAGS = ["--dataset", "--data-dir", "--fanouts", "--batch-size", "--hidden", "--
 def test_defaults():
     cfg = parse_args([])
     assert isinstance(cfg, JobConfig)
-    assert cfg.sampler.fanouts == (10, 10, 10)
+    assert cfg.sampler.fanouts.layers == (10, 10, 10) and not cfg.sampler.fanouts.relations
     assert cfg.sampler.num_layers == 3
     assert cfg.sampler.batch_size == 1024
     assert cfg.model.hidden == 256
@@ -35,14 +35,14 @@ def test_every_flag_maps_to_its_field(tmp_path):
     ])
     assert cfg.data.dataset == "synthetic"
     assert cfg.data.data_dir == str(tmp_path / "data")
-    assert cfg.sampler.fanouts == (5, -1)
+    assert cfg.sampler.fanouts.layers == (5, -1)
     assert cfg.sampler.num_layers == 2
     assert cfg.sampler.batch_size == 17
     assert cfg.model.hidden == 33
     assert cfg.model.dropout == 0.25
     assert cfg.train.lr == 0.01
     assert cfg.train.epochs == 4
-    assert cfg.train.num_workers == 3
+    assert cfg.train.num_workers == (3,) and not cfg.train.elastic
     assert cfg.train.use_gpu is False
     assert (cfg.sampler.actors_min, cfg.sampler.actors_max) == (2, 5)
     assert cfg.run.name == "run-x"
@@ -137,6 +137,39 @@ def test_from_dict_reads_configurations_of_older_checkpoints():
     cfg = from_dict({"data": {"add_reverse_edges": True, "seed": 5, "gone": 1},
                      "sampler": {"actors_min": 2, "actors_max": 3, "fanouts": [5, 5]}, "train": {"seed": 7}})
     assert cfg.data.reverse_edges is True
-    assert cfg.sampler.actors == (2, 3) and cfg.sampler.fanouts == (5, 5)
+    assert cfg.sampler.actors == (2, 3) and cfg.sampler.fanouts.layers == (5, 5)
     assert cfg.run.seed == 7
     assert from_dict(dataclasses.asdict(cfg)) == cfg
+
+
+def test_num_workers_min_max_makes_the_run_elastic():
+    cfg = parse_args(["--num-workers", "1,4", "--checkpoint-every", "50", "--resize-interval", "5"])
+    assert cfg.train.elastic and (cfg.train.workers_min, cfg.train.workers_max) == (1, 4)
+    assert cfg.run.checkpoint_every == 50 and cfg.train.resize_interval == 5.0
+    fixed = parse_args(["--num-workers", "3"]).train
+    assert not fixed.elastic and fixed.workers_min == fixed.workers_max == 3
+    assert parse_args(["--num-workers", "2,2"]).train.elastic  # Ray Train's elastic group at one size
+    assert parse_args([]).run.checkpoint_every == 0  # epoch ends only, as before
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--num-workers", "3,1"], "--num-workers 3,1: expected N, or MIN,MAX with 1 <= MIN <= MAX"),
+    (["--num-workers", "0,2"], "--num-workers 0,2: expected N, or MIN,MAX"),
+    (["--num-workers", "a,b"], "--num-workers 'a,b': expected comma-separated integers"),
+    (["--num-workers", "1,2,3"], "--num-workers 1,2,3: expected N, or MIN,MAX"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every -1: must be at least 0"),
+    (["--resize-interval", "-1"], "--resize-interval -1.0: must be at least 0"),
+])
+def test_bad_elastic_options(argv, text):
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    assert text in str(info.value)
+
+
+def test_num_workers_of_code_and_older_checkpoints():
+    from gnnray.config import TrainConfig, from_dict
+
+    assert TrainConfig(num_workers=4).num_workers == (4,)  # one number in code
+    assert from_dict({"train": {"num_workers": 2}}).train.num_workers == (2,)  # as older checkpoints stored it
+    elastic = parse_args(["--num-workers", "1,3"])
+    assert from_dict(dataclasses.asdict(elastic)) == elastic  # as checkpoints store it now (a list)

@@ -118,7 +118,8 @@ def test_train_worker_metrics(monitored_run):
     # The last values scraped are the last epoch's, as logged by rank 0 (reduced over ranks).
     last = logged[-1]
     for gauge, key in [("gnnray_train_loss", "loss"), ("gnnray_train_acc", "train_acc"), ("gnnray_val_acc", "val_acc"),
-                       ("gnnray_train_seeds_per_s", "seeds_per_s"), ("gnnray_train_data_wait_fraction", "data_wait")]:
+                       ("gnnray_train_seeds_per_s", "seeds_per_s"), ("gnnray_train_data_wait_fraction", "data_wait"),
+                       ("gnnray_train_world_size", "world_size")]:
         (value,) = scraper.values(gauge, rank="0").values()
         assert value == pytest.approx(last[key], rel=1e-6), gauge
     assert 0 < last["loss"] < 10 and 0 <= last["val_acc"] <= 1 and 0 <= last["data_wait"] <= 1

@@ -140,10 +140,23 @@ def to_graphbolt(graph: Graph):
     which DGL's ``dgl.graph`` (:func:`to_dgl`) refuses. Seeds passed to it must
     have ``indices``' dtype; the ids it samples come in it. Sampling only reads
     the arrays, so write-protected store views (:meth:`GraphHandle.get`) serve.
+
+    A typed graph's ``etype`` is GraphBolt's ``type_per_edge`` (int8 as it is),
+    so that it samples each relation of a node apart when given one fanout per
+    relation, and returns the picked edges' relations. GraphBolt finds a node's
+    relations as runs of equal codes: the typed CSC keeps each node's in-edges
+    ordered by relation (:func:`~gnnray.data.csc.sort_by_relation`). Node types
+    are not needed to sample homogeneous ids.
     """
     import dgl.graphbolt as gb
 
-    return gb.fused_csc_sampling_graph(readonly_tensor(graph.indptr), readonly_tensor(graph.indices))
+    indptr, indices = readonly_tensor(graph.indptr), readonly_tensor(graph.indices)
+    if graph.etype is None:
+        return gb.fused_csc_sampling_graph(indptr, indices)
+    # GraphBolt wants the relations' names ("src:relation:dst", DGL's form): its count of fanouts per layer.
+    relations = {":".join(t): j for j, t in enumerate(graph.edge_types)}
+    return gb.fused_csc_sampling_graph(indptr, indices, type_per_edge=readonly_tensor(graph.etype),
+                                       edge_type_to_id=relations)
 
 
 def to_dgl(graph: Graph):

@@ -8,19 +8,20 @@ features (:func:`fill_features`), computed once at load, in rounds: authors
 from their papers, then institutions from their authors. :func:`relation_csc`
 builds a typed CSC from per-relation (memory-mapped) edge files without
 stacking them (MAG240M); :func:`symmetric_relations` gives the MAG240M
-example's relation set.
+example's relation set; :func:`fanout_table` gives each relation its fanouts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Sequence, Union
 
 import numpy as np
 
+from gnnray.config import Fanouts
 from gnnray.data.graph import Graph, GraphParts
-from gnnray.errors import DatasetError
+from gnnray.errors import ConfigError, DatasetError
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,9 @@ def relation_csc(num_nodes: int, streams: Sequence[tuple], num_codes: int) -> tu
     arrays are written straight in their final dtypes
     (:func:`~gnnray.data.csc.structure_dtypes`, int8 codes): peak memory is the
     result plus two ``num_nodes`` int64 counters and chunk temporaries,
-    however large the (memory-mapped) inputs.
+    however large the (memory-mapped) inputs. Streams are written in the order
+    of their codes, so each node's in-edges come ordered by relation (as
+    GraphBolt's per-relation sampling reads them) without a sort.
     """
     from gnnray.data.csc import CHUNK_EDGES, _scatter, etype_dtype, structure_dtypes
 
@@ -193,7 +196,7 @@ def relation_csc(num_nodes: int, streams: Sequence[tuple], num_codes: int) -> tu
     indices = np.empty(int(indptr[-1]), dtype=idx_dtype)
     etype = np.empty(int(indptr[-1]), dtype=etype_dtype(num_codes))
     free = indptr[:-1].copy()  # next unwritten slot of each node's segment
-    for src, dst, code in streams:
+    for src, dst, code in sorted(streams, key=lambda stream: stream[2]):
         for a in range(0, dst.shape[0], CHUNK_EDGES):
             d = dst[a:a + CHUNK_EDGES]
             _scatter(indices, free, src[a:a + CHUNK_EDGES], d, etype, np.full(d.size, code, dtype=etype.dtype))
@@ -207,9 +210,10 @@ def symmetric_relations(graph: Graph) -> Graph:
     DGL's MAG240M example's relation set: ``cites`` (paper to paper) holds
     both directions, while ``writes`` and ``affiliated_with`` keep their
     reverses. The codes are rewritten in place a chunk at a time (no copy of
-    the edge types); the other relations keep their order.
+    the edge types); the other relations keep their order. Each node's
+    in-edges are then ordered by relation again (the merged ones were apart).
     """
-    from gnnray.data.csc import CHUNK_EDGES
+    from gnnray.data.csc import CHUNK_EDGES, sort_by_relation
 
     code = {t: i for i, t in enumerate(graph.edge_types)}
     merged = {code[(d, f"rev_{r}", s)]: code[(s, r, d)] for s, r, d in graph.edge_types
@@ -221,4 +225,35 @@ def symmetric_relations(graph: Graph) -> Graph:
     table = np.array([renumber[merged.get(i, i)] for i in range(len(code))], dtype=graph.etype.dtype)
     for a in range(0, graph.etype.size, CHUNK_EDGES):
         graph.etype[a:a + CHUNK_EDGES] = table[graph.etype[a:a + CHUNK_EDGES]]
+    sort_by_relation(graph.indptr, graph.indices, graph.etype)
     return dataclasses.replace(graph, edge_types=tuple(graph.edge_types[i] for i in kept))
+
+
+def fanout_table(fanouts: Union[Fanouts, Sequence[int]], graph: Graph) -> list[list[int]]:
+    """Per layer (input layer first), the fanout of each of ``graph``'s relation codes; one fanout if untyped.
+
+    A relation without its own list in ``fanouts`` gets the default, so
+    ``10,10`` takes up to 10 in-edges of each relation per node, as DGL's
+    samplers do on heterographs. Every :class:`~gnnray.pipeline.sampler.Sampler`
+    calls it; call it on the driver once the graph is loaded (it imports no
+    torch), so that a bad ``--fanouts`` fails before any worker starts.
+
+    Raises:
+        ConfigError: ``fanouts`` names a relation the graph does not have, or
+            gives relations' lists for an untyped graph.
+    """
+    fanouts = Fanouts.of_value(fanouts)
+    if graph.etype is None:
+        if fanouts.relations:
+            raise ConfigError(f"--fanouts {str(fanouts)!r}: {graph.name} has no relations (an untyped graph), so "
+                              f"there is none to give fanouts of its own; give one list, e.g. "
+                              f"--fanouts {','.join(map(str, fanouts.layers))}")
+        return [[f] for f in fanouts.layers]
+    names = [r for _, r, _ in graph.edge_types]
+    unknown = [r for r, _ in fanouts.relations if r not in names]
+    if unknown:
+        raise ConfigError(f"--fanouts {str(fanouts)!r}: {graph.name} has no relation {unknown[0]!r}; its relations "
+                          f"are {', '.join(names) or 'none'}")
+    if not names:  # no relation at all: nothing to sample apart
+        return [[f] for f in fanouts.layers]
+    return [list(layer) for layer in zip(*(fanouts.of(r) for r in names))]

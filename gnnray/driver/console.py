@@ -1,8 +1,10 @@
-"""What a run prints: the graph, a progress bar per epoch on a terminal, one line per epoch, restarts, the summary.
+"""What a run prints: the graph, a progress bar per epoch on a terminal, one line per epoch, restarts, resizes,
+the summary.
 
 Rank 0 appends each epoch's metrics to ``metrics.jsonl`` and rewrites a small
-progress file during the epoch; :class:`EpochPrinter` follows both from a
-thread on the driver. Ray's own INFO logs (Train's per-report lines, Data's
+progress file during the epoch; an elastic run's worker groups log their starts
+and preemption notices to ``workers.jsonl``; :class:`EpochPrinter` follows them
+from a thread on the driver. Ray's own INFO logs (Train's per-report lines, Data's
 execution plans) go to Ray's session logs instead of the console
 (:func:`quiet_ray`); its warnings and errors still show.
 """
@@ -17,7 +19,7 @@ import time
 from typing import Optional
 
 from gnnray.logs import quiet_console
-from gnnray.train.report import METRICS_LOG, PROGRESS_FILE
+from gnnray.train.report import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 
 
 def say(line: str) -> None:
@@ -48,12 +50,45 @@ def quiet_ray(verbose: bool) -> None:
 
 
 
-def epoch_line(m: dict, eta_s: Optional[float] = None) -> str:
-    """The driver's per-epoch line (grep-friendly ``key=value`` pairs), with ``eta=`` when ``eta_s`` is given."""
+def epoch_line(m: dict, eta_s: Optional[float] = None, workers: bool = False) -> str:
+    """The driver's per-epoch line (grep-friendly ``key=value`` pairs), with ``eta=`` when ``eta_s`` is given and
+    ``workers=`` (the epoch's world size) with ``workers``."""
     line = (f"epoch={m['epoch']} loss={m['loss']:.4f} train_acc={m['train_acc']:.4f} val_acc={m['val_acc']:.4f} "
             f"seeds_per_s={m['seeds_per_s']:.0f} data_wait={m['data_wait']:.2f} epoch_time={m['epoch_time']:.1f}s")
     line += f" eta={eta_s:.0f}s" if eta_s is not None else ""
+    line += f" workers={m['world_size']}" if workers and "world_size" in m else ""
     return line + (f" test_acc={m['test_acc']:.4f}" if "test_acc" in m else "")
+
+
+def worker_line(event: dict, before: Optional[int], preempted: list[str]) -> str:
+    """An elastic run's line for a worker-group start (``event`` from ``workers.jsonl``).
+
+    ``before``: the previous group's world size (``None``: the first start);
+    ``preempted``: nodes of preemption notices the previous group saw.
+    """
+    where = f"at epoch {event['epoch']} step {event['step']}"
+    now = event["world_size"]
+    if before is None:
+        return f"workers: started {now}, {where}"
+    if now > before:
+        why = "grew: nodes joined"
+    elif now < before and preempted:
+        why = f"shrank: node{'s' if len(preempted) > 1 else ''} {', '.join(n[:8] for n in preempted)} drained"
+    elif now < before:
+        why = "shrank: a node or a worker was lost"
+    else:
+        why = "restarted: a worker failed" + (f" or node {', '.join(n[:8] for n in preempted)} drained"
+                                              if preempted else "")
+    return f"workers: {before} -> {now} ({why}), resuming {where}"
+
+
+def preemption_line(event: dict) -> str:
+    """The line of a preemption notice that rank 0 logged."""
+    nodes = ", ".join(n[:8] for n in event["nodes"])
+    deadline = event.get("deadline_ms")
+    left = f"in {deadline / 1000 - event['time']:.0f}s" if deadline else "with no deadline"
+    return (f"preemption: node {nodes} drains {left}; checkpoint at epoch {event['epoch']} step {event['step']}, "
+            f"then the group restarts without it")
 
 
 class EpochPrinter:
@@ -62,17 +97,23 @@ class EpochPrinter:
     Args:
         run_dir: The run's directory (``metrics.jsonl`` and the progress file).
         epochs: Epochs of the run, for the ETA.
+        workers: An elastic run's ``--num-workers`` (MIN, MAX): also print its
+            worker-group starts, resizes and preemption notices (``workers.jsonl``).
         bar: Draw the progress bar (default: when stdout is a terminal).
     """
 
-    def __init__(self, run_dir: str, epochs: int, bar: Optional[bool] = None):
+    def __init__(self, run_dir: str, epochs: int, workers: Optional[tuple] = None, bar: Optional[bool] = None):
         self._path = os.path.join(run_dir, METRICS_LOG)
         self._progress = os.path.join(run_dir, PROGRESS_FILE)
         self._epochs = epochs
         self._bar = sys.stdout.isatty() if bar is None else bar
         self._drawn = False
         self._seen: list[float] = []  # when the driver saw each epoch's line
-        self._offset = os.path.getsize(self._path) if os.path.exists(self._path) else 0
+        self._metrics = Tail(self._path)
+        self._elastic = workers is not None
+        self._workers_log = Tail(os.path.join(run_dir, WORKERS_LOG))
+        self._world: Optional[int] = None  # the last group's world size
+        self._preempted: list[str] = []  # nodes drained since the last group started
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -95,17 +136,18 @@ class EpochPrinter:
                 return
 
     def _print_new(self) -> None:
-        if not os.path.exists(self._path):
-            return
-        with open(self._path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
-        self._offset += len(complete)
-        for line in complete.decode().splitlines():
-            m = json.loads(line)
+        if self._elastic:  # a group's start comes before its epochs' lines
+            for event in self._workers_log.new():
+                self._clear_bar()
+                if event["event"] == "start":
+                    say(worker_line(event, self._world, self._preempted))
+                    self._world, self._preempted = event["world_size"], []
+                elif event["event"] == "preempted":
+                    self._preempted += [n for n in event["nodes"] if n not in self._preempted]
+                    say(preemption_line(event))
+        for m in self._metrics.new():
             self._clear_bar()
-            say(epoch_line(m, self._eta(m)))
+            say(epoch_line(m, self._eta(m), self._elastic))
 
     def _draw_bar(self, width: int = 30) -> None:
         try:
@@ -137,3 +179,21 @@ class EpochPrinter:
         if len(self._seen) >= 2:
             return left * (self._seen[-1] - self._seen[0]) / (len(self._seen) - 1)
         return left * m["epoch_time"]
+
+
+class Tail:
+    """The complete JSON lines appended to a file since this object was made (or since its last :meth:`new`)."""
+
+    def __init__(self, path: str):
+        self._path = path
+        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def new(self) -> list[dict]:
+        if not os.path.exists(self._path):
+            return []
+        with open(self._path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self._offset += len(complete)
+        return [json.loads(line) for line in complete.decode().splitlines()]

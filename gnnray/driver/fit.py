@@ -16,13 +16,13 @@ from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.driver import launch, preflight
 from gnnray.driver.failures import one_line
-from gnnray.errors import CheckpointError
+from gnnray.errors import CheckpointError, ConfigError
 
 # torch, Ray Train and what imports them (the console too, through gnnray.train.report) are imported where
 # used: the driver starts Ray first, and a local cluster starts while torch is imported (launch.load_and_publish).
 if TYPE_CHECKING:
     from gnnray.train import checkpoint
-    from gnnray.train.loop import ModelFactory, WorkerSetup
+    from gnnray.train.setup import ModelFactory, WorkerSetup
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         GnnrayError: Bad options, data or cluster; raised before training starts.
         ray.train.TrainingFailedError: Training failed more than ``max_failures`` times.
     """
+    if cfg.train.elastic and cfg.data.feature_shards > 1:
+        raise ConfigError(f"--num-workers {cfg.train.workers_min},{cfg.train.workers_max} with --feature-shards "
+                          f"{cfg.data.feature_shards}: an elastic run cannot rebuild a feature shard lost with its "
+                          f"node (the driver rebuilds shards between its own restarts, and Ray Train restarts an "
+                          f"elastic run within one fit); give a fixed --num-workers N with --max-failures, or drop "
+                          f"--feature-shards")
     run_dir = preflight.check_storage(cfg)
     pub = launch.load_and_publish(cfg)
 
@@ -70,7 +76,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
 
     from gnnray.driver import console
     from gnnray.train import checkpoint
-    from gnnray.train.loop import WorkerSetup
+    from gnnray.train.setup import WorkerSetup
 
     graph = pub.graph
     use_gpu = launch.resolve_gpu(cfg, pub.local)
@@ -84,11 +90,21 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             console.say(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
                         "(use a new --name, or more --epochs to continue)")
             return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
-        first_epoch = latest.epoch + 1 if latest else 0
+        first_epoch, first_step = checkpoint.next_position(latest, _plan(cfg, graph))
+        if latest and latest.step != first_step:
+            console.say(f"note: {latest.path} was written within epoch {first_epoch} under another --batch-size "
+                        f"or --num-workers; epoch {first_epoch} starts over")
         if latest:
-            console.say(f"resuming run {cfg.run.name!r} from epoch {first_epoch} ({latest.path})")
+            console.say(f"resuming run {cfg.run.name!r} from epoch {first_epoch}"
+                        + (f" step {first_step}" if first_step else "") + f" ({latest.path})")
         setup = WorkerSetup(cfg, pub.handle, first_epoch, latest.path if latest else None, restarts, run_dir,
-                            model_factory, owners, cpu)
+                            model_factory, owners, cpu, first_step)
+        if cfg.train.elastic:  # Ray Train resizes and restarts it, all within one fit
+            with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers):
+                _fit_elastic(cfg, setup, graph, use_gpu, pub.local)
+            latest, _ = checkpoint.latest_valid(run_dir)
+            return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir),
+                            int(latest.metrics.get("restarts", 0)))
         try:
             with console.EpochPrinter(run_dir, cfg.train.epochs):
                 _fit(cfg, setup, graph, use_gpu, pub.local)
@@ -103,6 +119,12 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             continue
         latest, _ = checkpoint.latest_valid(run_dir)
         return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
+
+
+def _plan(cfg: JobConfig, graph: Graph) -> list:
+    from gnnray.pipeline.seeds import plan_key
+
+    return plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers)
 
 
 def _start_train_singletons() -> None:
@@ -135,7 +157,7 @@ def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:
     policy = CpuPolicy(True, samplers_per_node(cfg.sampler.actors_max, len(nodes)), use_gpu,
                        cfg.train.trainer_threads)
     # The line shows this node with its share of the workers; each worker plans from its own node's cores.
-    console.say(policy.plan(math.ceil(cfg.train.num_workers / max(1, len(nodes)))).line())
+    console.say(policy.plan(math.ceil(cfg.train.workers_max / max(1, len(nodes)))).line())
     return policy
 
 
@@ -177,22 +199,23 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     _start_train_singletons()
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, cfg.train.num_workers, cfg.run.seed)
+    workers = cfg.train.workers_max
+    plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, workers, cfg.run.seed)
     selectors = beside_shards(cfg, setup.graph, use_gpu, preflight.nodes())  # None: Ray Train places them
     placed = sum(1 for s in selectors or () if s)
-    if setup.graph.features is not None and placed < cfg.train.num_workers:
+    if setup.graph.features is not None and placed < workers:
         from gnnray.driver import console
 
-        console.say(f"note: {placed} of {cfg.train.num_workers} train workers placed beside a feature shard (the "
+        console.say(f"note: {placed} of {workers} train workers placed beside a feature shard (the "
                     f"shard nodes' CPUs and GPUs, less room for sampler actors, hold no more); Ray Train places the "
                     f"others")
-    stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu)
-    split = StartedSplit(stream, cfg.train.num_workers, execution_options())
+    stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu, first_step=setup.first_step)
+    split = StartedSplit(stream, workers, execution_options())
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"setup": setup},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.train.num_workers, use_gpu=use_gpu,
+            num_workers=workers, use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
             label_selector=selectors,
         ),
@@ -216,6 +239,52 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         trainer.fit()
     finally:
         split.shutdown()
+
+
+def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local: bool) -> None:
+    """An elastic run: one Ray Train fit of ``--num-workers MIN,MAX`` workers, resized and restarted by Ray Train.
+
+    Ray Train starts the group once MIN workers fit (asking the autoscaler
+    for MAX), and restarts the training function whenever it resizes the
+    group (nodes joined, every ``--resize-interval`` seconds it looks) or the
+    group fails (a node lost or drained, a worker raised): failures up to
+    ``--max-failures``, preemptions always. Every start gets its stream from
+    :class:`~gnnray.driver.split.ElasticSplit`, made for its world size from
+    the newest checkpoint; the driver only watches (``console.EpochPrinter``
+    prints the resizes). The dashboard shows each start as an attempt of the run.
+    """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from gnnray.driver.split import ElasticSplit, split_by_driver
+    from gnnray.train.loop import train_loop
+    from gnnray.train.report import log_event
+
+    _start_train_singletons()
+    if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    log_event(setup.run_dir, "fit", num_workers=list(cfg.train.num_workers))  # attempts count from here
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"setup": setup},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(cfg.train.workers_min, cfg.train.workers_max), use_gpu=use_gpu,
+            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
+            elastic_resize_monitor_interval_s=cfg.train.resize_interval,
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name,
+            storage_path=cfg.run.storage_path,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+            # Ray Train restarts the group from the newest checkpoint, the stream with it (ElasticSplit):
+            # failures up to --max-failures, preemptions (a drained node) whenever they come.
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=-1),
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
+        ),
+        datasets={"train": split_by_driver},
+        dataset_config=ElasticSplit(cfg, setup.graph, graph.train_idx, setup.run_dir, setup.cpu),
+    )
+    trainer.fit()
 
 
 # Every Ray node carries its id under this label with no set-up; Ray's own code places work by it.
@@ -254,14 +323,15 @@ def beside_shards(cfg: JobConfig, handle: GraphHandle, use_gpu: bool, cluster: l
         fit = (node.cpus - sampler_cpus) // cfg.train.cpus_per_worker
         room[s.node_id] = int(max(0, min(fit, node.gpus) if use_gpu else fit))
     selectors = []
-    while len(selectors) < cfg.train.num_workers and any(room.values()):
+    workers = cfg.train.workers_max
+    while len(selectors) < workers and any(room.values()):
         for node_id in room:
-            if room[node_id] > 0 and len(selectors) < cfg.train.num_workers:
+            if room[node_id] > 0 and len(selectors) < workers:
                 selectors.append({NODE_ID_LABEL: node_id})
                 room[node_id] -= 1
     if not selectors:
         return None
-    return selectors + [{}] * (cfg.train.num_workers - len(selectors))
+    return selectors + [{}] * (workers - len(selectors))
 
 
 def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph, handle: GraphHandle,

@@ -61,7 +61,7 @@ def init_ray(cfg: JobConfig) -> bool:
             # A local cluster gets enough logical CPUs for every worker and
             # sampler actor plus one for Ray Data's own tasks; on a small
             # machine they then share cores rather than wait forever.
-            need = (cfg.train.num_workers * cfg.train.cpus_per_worker
+            need = (cfg.train.workers_max * cfg.train.cpus_per_worker
                     + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1)
             # address="local": a new cluster even if another runs on this
             # machine (joining one is what RAY_ADDRESS is for).
@@ -140,16 +140,19 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     local cluster, seconds of waiting for its processes) leave a core to spare.
     """
     from gnnray.data.load import load_graph, load_structure
+    from gnnray.data.typed import fanout_table
 
     threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
     if cfg.data.feature_shards == 1:
         graph = load_graph(cfg.data, cfg.run.seed)
+        fanout_table(cfg.sampler.fanouts, graph)  # a relation the graph lacks: refused here, not in every actor
         if model_check:
             model_check(graph.feat_dim, graph.num_classes)
         if graph.feat.dtype != np.dtype(cfg.data.feature_dtype):
             graph = dataclasses.replace(graph, feat=graph.feat.astype(cfg.data.feature_dtype))
         return Published(*publish_checked(cfg, graph))
     graph, source = load_structure(cfg.data, cfg.run.seed)
+    fanout_table(cfg.sampler.fanouts, graph)
     if model_check:
         model_check(source.dim, graph.num_classes)
     # A table read into memory is written once, a file per shard, and dropped here (the only reference):

@@ -75,25 +75,66 @@ def check_resources(cfg: JobConfig, use_gpu: bool, cluster: list[Node]) -> None:
     Only what is certainly needed is checked: each train worker on one node
     (``--cpus-per-worker`` CPUs, and a GPU with ``use_gpu``), the smallest
     sampler pool (``--sampler-actors MIN``), and one CPU for Ray Data's tasks,
-    which run while workers and actors hold theirs.
+    which run while workers and actors hold theirs. An elastic run needs its
+    MIN workers, and room for the sampler actors beside the group Ray Train
+    would start (:func:`_check_elastic_room`).
     """
+    from gnnray.pipeline.stream import sampler_actors
+
     t, s = cfg.train, cfg.sampler
     where = _describe(cluster)
-    slots = sum(min(_fits(n.cpus, t.cpus_per_worker), _fits(n.gpus, 1) if use_gpu else math.inf) for n in cluster)
-    if slots < t.num_workers:
+    workers, flag = t.workers_min, ",".join(map(str, t.num_workers))
+    actors = sampler_actors(cfg, workers)[0]
+    slots = sum(_worker_slots(n, t.cpus_per_worker, use_gpu) for n in cluster)
+    if slots < workers:
         each = f"{t.cpus_per_worker:g} CPU{'' if t.cpus_per_worker == 1 else 's'}" + (" and 1 GPU" if use_gpu else "")
         fix = "lower --num-workers or --cpus-per-worker" + (", or pass --use-gpu no" if use_gpu else "")
-        raise ClusterError(f"--num-workers {t.num_workers}: each train worker needs {each} on one node, and the "
+        raise ClusterError(f"--num-workers {flag}: each train worker needs {each} on one node, and the "
                            f"cluster ({where}) fits {slots:g}; {fix}, or add nodes")
-    need = t.num_workers * t.cpus_per_worker + s.actors_min * s.cpus_per_actor + 1
+    need = workers * t.cpus_per_worker + actors * s.cpus_per_actor + 1
     total = sum(n.cpus for n in cluster)
     if total < need:
-        raise ClusterError(f"the job needs {need:g} CPUs at once ({t.num_workers} train workers x "
-                           f"{t.cpus_per_worker:g} + {s.actors_min} sampler actors x {s.cpus_per_actor:g} + 1 for "
+        raise ClusterError(f"the job needs {need:g} CPUs at once ({workers} train workers x "
+                           f"{t.cpus_per_worker:g} + {actors} sampler actors x {s.cpus_per_actor:g} + 1 for "
                            f"Ray Data's tasks) and the cluster ({where}) has {total:g}; lower --num-workers, "
                            "--cpus-per-worker, --sampler-actors MIN or --cpus-per-sampler, or add nodes")
     if not any(n.cpus >= s.cpus_per_actor for n in cluster):
         raise ClusterError(f"--cpus-per-sampler {s.cpus_per_actor:g}: no node has that many CPUs ({where})")
+    if t.elastic:
+        _check_elastic_room(cfg, use_gpu, cluster)
+
+
+def _check_elastic_room(cfg: JobConfig, use_gpu: bool, cluster: list[Node]) -> None:
+    """An elastic group leaves room for its sampler actors on ``cluster``, or :class:`ClusterError`.
+
+    Ray Train sizes an elastic group by the workers that fit into the nodes'
+    resources (up to MAX), as if nothing else ran: on nodes of CPUs only it
+    may take every CPU, and the sampler actors the workers wait for could
+    never start.
+    """
+    from gnnray.pipeline.stream import sampler_actors
+
+    t, s = cfg.train, cfg.sampler
+    total = sum(n.cpus for n in cluster)
+
+    def room(workers: int) -> tuple[float, float]:  # CPUs left beside ``workers`` workers, CPUs the actors need
+        return total - workers * t.cpus_per_worker, sampler_actors(cfg, workers)[0] * s.cpus_per_actor + 1
+
+    workers = int(min(t.workers_max, sum(_worker_slots(n, t.cpus_per_worker, use_gpu) for n in cluster)))
+    left, need = room(workers)
+    if left >= need:
+        return
+    best = max((w for w in range(t.workers_min, workers) if room(w)[0] >= room(w)[1]), default=None)
+    fix = f"lower MAX to {best}" if best else "lower MIN"
+    raise ClusterError(f"--num-workers {t.workers_min},{t.workers_max}: Ray Train sizes an elastic group by the "
+                       f"workers the nodes fit ({_describe(cluster)}), here {workers}, which leaves {left:g} CPUs "
+                       f"where the sampler actors and Ray Data's tasks need {need:g}; {fix}, raise "
+                       f"--cpus-per-worker, or add nodes")
+
+
+def _worker_slots(node: Node, cpus_per_worker: float, use_gpu: bool) -> float:
+    """Train workers that fit on ``node``, counted as Ray Train counts them."""
+    return min(_fits(node.cpus, cpus_per_worker), _fits(node.gpus, 1) if use_gpu else math.inf)
 
 
 def check_object_store(graph_bytes: int, cluster: list[Node]) -> None:

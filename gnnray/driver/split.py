@@ -8,7 +8,8 @@ its controller and workers, and the first batches (within ``--max-ahead``)
 are waiting when the workers ask.
 
 This module imports no torch: Ray Train's dataset manager unpickles the
-config, and should not pay for more than it uses.
+config, and should not pay for more than it uses (an elastic run's
+:class:`ElasticSplit` imports what it needs when it builds a stream).
 """
 
 from __future__ import annotations
@@ -52,6 +53,64 @@ class StartedSplit(DataConfig):
         ray.kill(self._coordinator)
 
     def __deepcopy__(self, memo):  # Ray Train copies its config: the splits are handles, one set of them
+        return self
+
+
+class ElasticSplit(DataConfig):
+    """An elastic run's ``DataConfig``: at every worker-group start, the stream for that group, from the newest
+    checkpoint.
+
+    Ray Train calls ``configure`` once per worker-group start (the first, and
+    every resize or restart), with the new group's world size, in a dataset
+    manager actor of its own (on the controller's node), when rank 0 first
+    asks for its shard. It finds the newest valid checkpoint in the run's
+    directory, builds the seed plan for that world size (the global batch
+    stays ``--batch-size x MAX``) and the stream from the checkpoint's step,
+    with a sampler pool sized for the world size, and starts it (as
+    :class:`StartedSplit`). It appends where the stream starts to the run's
+    ``workers.jsonl``; every rank reads it back (:func:`gnnray.train.loop.train_loop`)
+    and restores that checkpoint: one decision, so model and stream cannot
+    disagree. The previous group's stream ends with its dataset manager (Ray
+    Train shuts its executor down and drops the actor, which owns the split
+    coordinator and with it the sampler actors).
+
+    Args:
+        cfg: The job configuration.
+        graph: Handle of the node-shared graph (the sampler actors read it).
+        train_idx: The training split's node ids (the plan's).
+        run_dir: The run's directory: checkpoints and ``workers.jsonl``.
+        cpu: The job's CPU plan, which each sampler actor applies.
+    """
+
+    def __init__(self, cfg, graph, train_idx, run_dir: str, cpu=None):
+        super().__init__(datasets_to_split=["train"])
+        self._cfg, self._graph, self._train_idx, self._run_dir, self._cpu = cfg, graph, train_idx, run_dir, cpu
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        from gnnray.driver.console import quiet_ray
+        from gnnray.pipeline.seeds import SeedPlan, plan_key
+        from gnnray.pipeline.stream import execution_options, minibatch_stream
+        from gnnray.train import checkpoint
+        from gnnray.train.report import events, log_event
+
+        cfg = self._cfg
+        quiet_ray(cfg.run.verbose)  # this process's Ray Data logs, and the stream's, as the driver keeps its own
+        latest, _ = checkpoint.latest_valid(self._run_dir, ("embedding",) if cfg.data.embedding_dim else ())
+        epoch, step = checkpoint.next_position(
+            latest, plan_key(len(self._train_idx), cfg.sampler.batch_size, cfg.train.num_workers))
+        log = events(self._run_dir)
+        fit = max((i for i, e in enumerate(log) if e["event"] == "fit"), default=-1)
+        attempt = sum(1 for e in log[fit + 1:] if e["event"] == "start")
+        log_event(self._run_dir, "start", world_size=world_size, epoch=epoch, step=step, attempt=attempt,
+                  checkpoint=latest.path if latest else None)
+        if epoch >= cfg.train.epochs:  # finished before this group started: its ranks return at once
+            return [{"train": None} for _ in range(world_size)]
+        plan = SeedPlan.elastic(self._train_idx, cfg.sampler.batch_size, cfg.train.workers_max, world_size,
+                                cfg.run.seed)
+        stream = minibatch_stream(cfg, self._graph, plan, epoch, cpu=self._cpu, first_step=step)
+        return StartedSplit(stream, world_size, execution_options()).configure(datasets, world_size, None, None)
+
+    def __deepcopy__(self, memo):  # Ray Train copies its config: nothing here changes
         return self
 
 

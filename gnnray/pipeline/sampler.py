@@ -7,24 +7,30 @@ a packed ``MiniBatch`` in an Arrow table (:func:`gnnray.pipeline.batch.to_arrow`
 
 Train workers call :func:`sample` too, for evaluation, so sampling is the same
 code wherever it runs.
+
+torch, pandas and the batch module are imported where used: Ray Data's split
+coordinator unpickles :class:`SamplerActor` (so imports this module) and
+never samples; at start-up that import would cost it seconds of CPU.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import ray
-import torch
 
+from gnnray.config import Fanouts
 from gnnray.cpus import CpuPolicy
-from gnnray.pipeline.batch import Layer, MiniBatch, id_dtype, to_arrow
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle, to_graphbolt
+from gnnray.data.typed import fanout_table
 from gnnray.pipeline.seeds import SeedPlan, SeedReader
+
+if TYPE_CHECKING:
+    from gnnray.pipeline.batch import MiniBatch
 
 
 class Sampler:
@@ -36,15 +42,24 @@ class Sampler:
     DGL's ``dgl.graph`` refuses. GraphBolt also samples with torch's threads
     (the CPU plan sets them) and keeps no node-sized scratch per process.
 
+    On a typed graph each relation of a node is sampled apart, with its own
+    fanout (:func:`fanout_table`): GraphBolt does it given one fanout per
+    relation, over in-edges grouped by relation (the typed CSC's layout).
+
     Args:
         graph: The graph, usually read-only views on the object store.
-        fanouts: Neighbors per layer, input layer first; ``-1`` takes all.
+        fanouts: Neighbors per layer, input layer first; ``-1`` takes all. A
+            :class:`~gnnray.config.Fanouts` or a list of ints (per relation on a typed graph).
     """
 
-    def __init__(self, graph: Graph, fanouts: tuple[int, ...]):
+    def __init__(self, graph: Graph, fanouts: Union[Fanouts, Sequence[int]]):
+        import torch
+
+        from gnnray.pipeline.batch import id_dtype
+
         self._graph = graph
         self._g = to_graphbolt(graph)
-        self._fanouts = [torch.tensor([int(f)]) for f in reversed(fanouts)]  # output layer first
+        self._fanouts = [torch.tensor(f) for f in reversed(fanout_table(fanouts, graph))]  # output layer first
         self.id_dtype = id_dtype(graph.num_nodes)  # what to pack this graph's batches as
         # GraphBolt takes seeds only in the dtype of indices (int32 below 2**31 nodes); sampled ids come in it.
         self._seed_dtype = graph.indices.dtype
@@ -56,21 +71,24 @@ class Sampler:
         (int32 below 2**31 nodes), its labels as int64. A block's sources
         start with its destinations, in order (DGL's block convention).
         """
+        import pandas as pd
+        import torch
+
+        from gnnray.pipeline.batch import Layer, MiniBatch
+
         output_nodes = nodes = torch.from_numpy(np.ascontiguousarray(seeds, dtype=self._seed_dtype))
-        typed = self._graph.etype is not None
         layers = []
         for fanout in self._fanouts:
-            # The private call returns the picked edges' CSC positions (a typed graph's relations are looked up
-            # by them); the public sample_neighbors maps them through an edge-id attribute of E x 8 bytes.
-            sub = self._g._sample_neighbors(nodes, fanout, replace=False, return_eids=typed)
+            # The private call returns GraphBolt's C++ subgraph: the picked edges' relations come with it, where
+            # the public sample_neighbors splits them into a dict of subgraphs per relation.
+            sub = self._g._sample_neighbors(nodes, fanout, replace=False)
             # The block's sources: its destinations first, in order (they are unique), then the new ids as they
             # appear. pandas' hash-table factorize does that on one thread (a sampler actor's) in a fraction of
             # the time of GraphBolt's unique_and_compact (bench/structure.py).
             codes, src = pd.factorize(np.concatenate([nodes.numpy(), sub.indices.numpy()]))
             local = torch.from_numpy(codes[nodes.shape[0]:].astype(src.dtype))
             # Offsets come in indptr's dtype (int64 past 2**31 edges); within a batch they fit the ids' dtype.
-            etype = torch.from_numpy(self._graph.etype[sub.original_edge_ids.numpy()]) if typed else None
-            layers.append(Layer(sub.indptr.to(nodes.dtype), local, int(src.shape[0]), etype))
+            layers.append(Layer(sub.indptr.to(nodes.dtype), local, int(src.shape[0]), sub.type_per_edge))
             nodes = torch.from_numpy(src)
         layers.reverse()
         labels = torch.from_numpy(self._graph.label[output_nodes.numpy()])
@@ -88,8 +106,8 @@ class SamplerActor:
         cpu: The job's CPU plan (:mod:`gnnray.cpus`); ``None`` leaves Ray's defaults.
     """
 
-    def __init__(self, graph: GraphHandle, fanouts: tuple[int, ...], plan: SeedPlan, run: str = "gnnray",
-                 cpu: Optional[CpuPolicy] = None):
+    def __init__(self, graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], plan: SeedPlan,
+                 run: str = "gnnray", cpu: Optional[CpuPolicy] = None):
         from gnnray.metrics import SamplerMetrics
 
         if cpu is not None:  # before the first sampling call: DGL's thread pool starts there
@@ -110,4 +128,6 @@ class SamplerActor:
             mb = self._sampler.sample(seeds, epoch=epoch)
             batches.append(mb)
             self._metrics.batch(sum(int(layer.indices.shape[0]) for layer in mb.layers), time.perf_counter() - start)
+        from gnnray.pipeline.batch import to_arrow
+
         return to_arrow(batches, self._sampler.id_dtype)

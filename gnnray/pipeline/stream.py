@@ -3,7 +3,7 @@
 Seed rows (:mod:`.seeds`) are mapped by a pool of sampler actors
 (:class:`~gnnray.pipeline.sampler.SamplerActor`) that runs at most
 ``--max-ahead`` batches per worker ahead (:mod:`.read_ahead`); Ray Train
-splits the output equally over the ranks, in order. The seed blocks keep
+splits the output equally over the ranks, in order, each rank its own steps. The seed blocks keep
 their size whatever the bound (Ray Data's work per sampler call is spread
 over a block's rows); the bound is then computed from that size.
 """
@@ -21,12 +21,14 @@ from gnnray.pipeline.seeds import SeedPlan
 
 
 def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_epoch: int, actor_cls=None,
-                     cpu: Optional[CpuPolicy] = None):
-    """The dataset of packed mini-batches for epochs ``first_epoch .. cfg.train.epochs - 1``.
+                     cpu: Optional[CpuPolicy] = None, first_step: int = 0):
+    """The dataset of packed mini-batches from step ``first_step`` of ``first_epoch`` to the end of
+    ``cfg.train.epochs - 1``, for ``plan.ranks`` train workers.
 
     ``actor_cls`` replaces :class:`~gnnray.pipeline.sampler.SamplerActor`
     (a subclass that records what it samples, in tests and the benchmark);
-    ``cpu`` is the job's CPU plan, which each actor applies to itself.
+    ``cpu`` is the job's CPU plan, which each actor applies to itself. The
+    pool's size follows the workers (:func:`sampler_actors`).
 
     Raises:
         ConfigError: ``--max-ahead`` is too small for the stream (:func:`read_ahead_rows`).
@@ -38,20 +40,34 @@ def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_e
     from gnnray.pipeline.seeds import block_rows, seed_dataset
 
     actor_cls = actor_cls or SamplerActor
-    limit = read_ahead_rows(cfg, block_rows(plan, first_epoch, cfg.train.epochs))
-    ds = seed_dataset(plan, first_epoch, cfg.train.epochs).map_batches(
+    actors = sampler_actors(cfg, plan.ranks)
+    limit = read_ahead_rows(cfg, block_rows(plan, first_epoch, cfg.train.epochs), plan.ranks, actors[1])
+    ds = seed_dataset(plan, first_epoch, cfg.train.epochs, first_step).map_batches(
         actor_cls,
         fn_constructor_kwargs=dict(graph=graph, fanouts=cfg.sampler.fanouts, plan=plan, run=cfg.run.name, cpu=cpu),
         batch_size=None,  # a whole seed block per call (see SamplerActor)
         batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.sampler.actors_min, max_size=cfg.sampler.actors_max),
+        compute=ray.data.ActorPoolStrategy(min_size=actors[0], max_size=actors[1]),
         num_cpus=cfg.sampler.cpus_per_actor,
     )
+    # One output block per seed block, never cut by size: the split hands whole blocks to the ranks in turn,
+    # which is what gives each rank its own steps in order (seeds.stream_rows).
+    ds.context.target_max_block_size = None
     bound_read_ahead(ds, f"MapBatches({actor_cls.__name__})", limit)  # Ray Data's name of the operator
     return ds
 
 
-def read_ahead_rows(cfg: JobConfig, block: int) -> int:
+def sampler_actors(cfg: JobConfig, workers: int) -> tuple[int, int]:
+    """The sampler pool's (MIN, MAX) for ``workers`` train workers: ``--sampler-actors`` at ``--num-workers``'s
+    largest size, scaled with the workers (rounded up, at least 1), so that each worker keeps its share of actors."""
+    lo, hi, most = cfg.sampler.actors_min, cfg.sampler.actors_max, cfg.train.workers_max
+    if workers >= most:
+        return lo, hi
+    lo = max(1, math.ceil(lo * workers / most))
+    return lo, max(lo, math.ceil(hi * workers / most))
+
+
+def read_ahead_rows(cfg: JobConfig, block: int, workers: Optional[int] = None, actors: Optional[int] = None) -> int:
     """The read-ahead policy's limit: rows the sampler pool may have taken beyond what the split handed out.
 
     ``--max-ahead`` counts every mini-batch sampled ahead of a worker's step,
@@ -62,17 +78,20 @@ def read_ahead_rows(cfg: JobConfig, block: int) -> int:
     equal split hands a block out only once it holds about one for every
     worker, and each actor needs room for the block it samples. Below that the
     stream moves only by Ray Data's liveness guard, one block at a time.
+    ``workers`` and ``actors`` (the pool's MAX) default to the job's largest.
 
     Raises:
         ConfigError: ``--max-ahead`` is set below that least.
     """
-    workers, held = cfg.train.num_workers, 2 * cfg.train.num_workers * block
-    least = held + (workers + cfg.sampler.actors_max) * block
+    workers = workers or cfg.train.workers_max
+    actors = actors or cfg.sampler.actors_max
+    held = 2 * workers * block
+    least = held + (workers + actors) * block
     total = least if cfg.sampler.max_ahead is None else cfg.sampler.max_ahead * workers
     if total < least:
         raise ConfigError(
             f"--max-ahead {cfg.sampler.max_ahead}: with {workers} train worker(s), up to "
-            f"{cfg.sampler.actors_max} sampler actor(s) and {block}-row seed blocks, the stream needs at least "
+            f"{actors} sampler actor(s) and {block}-row seed blocks, the stream needs at least "
             f"{math.ceil(least / workers)} mini-batches ahead of each worker (two blocks in each worker's "
             f"iterator, one per worker for the equal split, one per actor to sample); raise --max-ahead, leave it "
             f"at auto, or use fewer --sampler-actors")

@@ -1,4 +1,11 @@
-"""Checkpoints: written by rank 0 at epoch ends (:class:`Schedule`), chosen by the driver on resume.
+"""Checkpoints: written by rank 0 at epoch ends (:class:`Schedule`) and within epochs (``--checkpoint-every``,
+a preemption notice), chosen by the driver on resume (an elastic run: by its stream, ``driver/split.py``).
+
+A checkpoint's position is ``(epoch, step)``: ``epoch`` is the last completed
+epoch (``-1``: none) and ``step`` the steps done of the next one (``0`` at an
+epoch's end), so code that reads only ``epoch`` treats a checkpoint within an
+epoch as the epoch before it, and a run is finished only by the checkpoint at
+the end of its last epoch. Resume continues at :func:`next_position`.
 
 A checkpoint directory holds ``state.pt`` (model, optimizer, epoch, best
 validation accuracy), with ``--embedding-dim`` one directory per embedding
@@ -20,7 +27,7 @@ lacks a key is *corrupt* (:func:`corrupt_reason`): it is skipped too, and the
 driver stops rather than start over when no older good one is left.
 
 The driver, not the worker, chooses the checkpoint because the seed stream it
-builds must start at the epoch after the one the model resumes from.
+builds must start at the step after the one the model resumes from.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ META_FILE = "meta.json"
 EMBEDDING_DIR = "embedding"
 # An embedding shard's files: its rows, then DGL SparseAdam's state of each row.
 EMBEDDING_ARRAYS = ("weight", "exp_avg", "exp_avg_sq", "step")
-# What a resume needs from state.pt (``embedding`` too when the run learns embeddings).
+# What a resume needs from state.pt (``embedding`` too when the run learns embeddings; ``step``, within an epoch,
+# is 0 when missing, as in checkpoints of epoch ends and of older versions).
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "best_val_acc")
 
 
@@ -51,11 +59,27 @@ class CheckpointInfo:
         path: Its directory.
         epoch: The last completed epoch it holds.
         metrics: The metrics reported with it.
+        step: Steps done of epoch ``epoch + 1`` (0: written at the end of ``epoch``).
     """
 
     path: str
     epoch: int
     metrics: dict
+    step: int = 0
+
+
+def next_position(info: Optional[CheckpointInfo], plan: Optional[list] = None) -> tuple[int, int]:
+    """``(epoch, step)`` where training continues after checkpoint ``info`` (``(0, 0)`` without one).
+
+    A checkpoint within an epoch written under another seed plan than ``plan``
+    (``seeds.plan_key``: another ``--batch-size`` or ``--num-workers``)
+    continues at the start of its epoch: its step count means other seeds now.
+    """
+    if info is None:
+        return 0, 0
+    if info.step and plan is not None and info.metrics.get("plan") != plan:
+        return info.epoch + 1, 0
+    return info.epoch + 1, info.step
 
 
 class Schedule:
@@ -91,7 +115,8 @@ def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimize
         directory: Where to write.
         model: Its ``state_dict`` is saved as ``model``.
         optimizer: Its ``state_dict`` is saved as ``optimizer``.
-        metrics: The epoch's metrics (``epoch``, ``best_val_acc``, ...).
+        metrics: The epoch's metrics (``epoch``, ``best_val_acc``, ...); within an epoch, ``epoch`` is the
+            last completed one and ``step`` the steps done of the next.
         extra: More entries of ``state.pt`` (e.g. ``embedding``).
         config: JSON-able job configuration (``dataclasses.asdict(JobConfig)``)
             stored in ``meta.json`` so that ``jobs/predict.py`` can rebuild the
@@ -99,12 +124,12 @@ def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimize
         embedding: ``{"num_nodes", "dim", "shards"}``, the shards being what
             :func:`write_rows` returned for each, already in ``directory``.
     """
-    epoch = int(metrics["epoch"])
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
+    epoch, step = int(metrics["epoch"]), int(metrics.get("step", 0))
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step,
              "best_val_acc": float(metrics["best_val_acc"]), **(extra or {})}
     _atomic_write(os.path.join(directory, STATE_FILE), lambda f: torch.save(state, f))
     size = os.path.getsize(os.path.join(directory, STATE_FILE))
-    meta = {"epoch": epoch, "state_bytes": size, "metrics": metrics}
+    meta = {"epoch": epoch, "step": step, "state_bytes": size, "metrics": metrics}
     if embedding is not None:
         meta["embedding"] = embedding
     if config is not None:
@@ -139,7 +164,8 @@ def read_info(directory: str) -> Optional[CheckpointInfo]:
         for shard in (meta.get("embedding") or {}).get("shards", ()):  # each owner's files, whole
             complete &= all(os.path.getsize(os.path.join(directory, shard["dir"], name)) == size
                             for name, size in shard["bytes"].items())
-        return CheckpointInfo(directory, int(meta["epoch"]), dict(meta["metrics"])) if complete else None
+        info = CheckpointInfo(directory, int(meta["epoch"]), dict(meta["metrics"]), int(meta.get("step", 0)))
+        return info if complete else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -169,8 +195,9 @@ def corrupt_reason(directory: str, extra_keys: Sequence[str] = ()) -> Optional[s
     missing = [k for k in (*REQUIRED_KEYS, *extra_keys) if k not in state and k not in in_meta]
     if missing:
         return f"{STATE_FILE} lacks {', '.join(map(repr, missing))}"
-    if state["epoch"] != info.epoch:
-        return f"{STATE_FILE} is of epoch {state['epoch']} but {META_FILE} says {info.epoch}"
+    if (state["epoch"], state.get("step", 0)) != (info.epoch, info.step):
+        return (f"{STATE_FILE} is of epoch {state['epoch']} step {state.get('step', 0)} but {META_FILE} says epoch "
+                f"{info.epoch} step {info.step}")
     if "embedding" in meta:
         return _embedding_reason(directory, meta["embedding"])
     return None
@@ -270,8 +297,8 @@ def embedding_info(directory: str) -> Optional[dict]:
 def latest_valid(run_dir: str, extra_keys: Sequence[str] = ()) -> tuple[Optional[CheckpointInfo], list[str]]:
     """Find the newest valid checkpoint of a run.
 
-    Complete checkpoints are tried newest first (highest epoch, then name:
-    Ray names them by time) until one passes :func:`corrupt_reason` (with
+    Complete checkpoints are tried newest first (furthest position, then
+    name: Ray names them by time) until one passes :func:`corrupt_reason` (with
     ``extra_keys``), so a corrupt newest one falls back to the one before.
 
     Returns:
@@ -287,7 +314,7 @@ def latest_valid(run_dir: str, extra_keys: Sequence[str] = ()) -> tuple[Optional
             continue
         info = read_info(path)
         (found.append(info) if info else bad.append(path))
-    for info in sorted(found, key=lambda c: (c.epoch, c.path), reverse=True):
+    for info in sorted(found, key=lambda c: (c.epoch, c.step, c.path), reverse=True):
         if corrupt_reason(info.path, extra_keys) is None:
             return info, bad
         bad.append(info.path)

@@ -3,15 +3,25 @@
 Input: this rank's shard of the sampled mini-batch stream, the node-shared
 graph (features for the gather, the structure for evaluation sampling) and the
 job configuration. Output: per-epoch ``ray.train.report`` with metrics and,
-when ``--checkpoint-interval`` says one is due, a checkpoint (rank 0 writes it).
+when ``--checkpoint-interval`` says one is due, a checkpoint (rank 0 writes it);
+checkpoints within an epoch every ``--checkpoint-every`` steps and, in an
+elastic run, on a preemption notice (:class:`StepCheckpoints`).
 
 Each rank takes exactly ``steps_per_epoch`` rows per epoch from one stream that
 spans the run; the seeds stage made the row count divisible by the number of
-ranks, so every rank takes the same number of optimizer steps.
+ranks and hands each rank its own piece of every step, in order, so after
+``k`` steps the ranks have trained exactly the epoch's first ``k`` steps.
+
+An elastic run (``--num-workers MIN,MAX``) runs this function once per worker
+group: Ray Train restarts it with the new world size at every resize. Its
+stream, made for the group when rank 0 first asks for it, starts at the newest
+checkpoint (``driver/split.py``), and every rank restores that checkpoint.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -20,52 +30,46 @@ import torch
 import torch.nn.functional as F
 
 from gnnray.config import JobConfig
-from gnnray.cpus import CpuPolicy
-from gnnray.data.store import GraphHandle
+from gnnray.errors import GnnrayError
 from gnnray.logs import quiet_console
 from gnnray.metrics import TrainMetrics
 from gnnray.pipeline.batch import MiniBatch, from_arrow
 from gnnray.pipeline.features import reader_for
 from gnnray.pipeline.prefetch import Prefetcher
-from gnnray.pipeline.seeds import steps_per_epoch
+from gnnray.pipeline.seeds import plan_key, steps_per_epoch
 from gnnray.train import checkpoint
 from gnnray.train.embedding import EmbeddingTable, NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator
 from gnnray.train.model import model_for
-from gnnray.train.report import METRICS_LOG, PrivateMemory, Progress, report, saved_config
-
-ModelFactory = Callable[[int, int, JobConfig], torch.nn.Module]
-
+from gnnray.train.setup import WorkerSetup
+from gnnray.train.report import (METRICS_LOG, PrivateMemory, Progress, events, log_event, report, report_position,
+                                 saved_config)
 
 @dataclass(frozen=True)
-class WorkerSetup:
-    """What the driver hands every train worker.
+class StreamStart:
+    """Where this worker group's stream starts and the checkpoint that holds the model of that point.
 
     Attributes:
-        cfg: The job configuration.
-        graph: Handle of the node-shared graph.
-        first_epoch: The epoch the seed stream starts at.
-        resume_from: Checkpoint directory to restore, chosen by the driver.
-        restarts: How many times the driver restarted the run so far.
-        run_dir: The run's directory: rank 0 appends each epoch's metrics to
-            its ``metrics.jsonl`` and records progress there; the driver
-            prints both as they arrive.
-        model_factory: ``(in_feats, num_classes, cfg) -> nn.Module`` whose
-            ``forward(blocks, x)`` returns logits; ``--model`` by default.
-        embedding_owners: With ``--feature-shards`` and ``--embedding-dim``:
-            the owners of the embedding table's shards (``train.embedding.create_owners``).
-        cpu: The job's CPU plan (:mod:`gnnray.cpus`); ``None`` leaves Ray's defaults.
+        epoch, step: The stream's first step.
+        checkpoint: The checkpoint to restore (``None``: start fresh).
+        restarts: Restarts before this group (driver restarts, or Ray Train's in an elastic run).
     """
 
-    cfg: JobConfig
-    graph: GraphHandle
-    first_epoch: int
-    resume_from: Optional[str] = None
-    restarts: int = 0
-    run_dir: Optional[str] = None
-    model_factory: Optional[ModelFactory] = None
-    embedding_owners: Optional[tuple] = None
-    cpu: Optional[CpuPolicy] = None
+    epoch: int
+    step: int
+    checkpoint: Optional[str]
+    restarts: int
+
+    @staticmethod
+    def of(setup: WorkerSetup, world: int) -> "StreamStart":
+        """The driver's choice (a fixed run), or what this elastic group's stream logged when it was made."""
+        if not setup.cfg.train.elastic:
+            return StreamStart(setup.first_epoch, setup.first_step, setup.resume_from, setup.restarts)
+        start = [e for e in events(setup.run_dir) if e["event"] == "start"][-1]
+        if start["world_size"] != world:
+            raise GnnrayError(f"the stream was made for {start['world_size']} workers and this worker group has "
+                              f"{world}: does another run of --name {setup.cfg.run.name!r} write to {setup.run_dir}?")
+        return StreamStart(start["epoch"], start["step"], start["checkpoint"], start["attempt"])
 
 
 def train_loop(config: dict) -> None:
@@ -82,6 +86,12 @@ def train_loop(config: dict) -> None:
     quiet_console("", cfg.run.verbose)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # 0. An elastic group's stream is made when rank 0 first asks for it, and says where it starts: asked first, so
+    # that its sampler pool starts while the model is built.
+    shard = ray.train.get_dataset_shard("train") if cfg.train.elastic else None
+    begin = StreamStart.of(setup, world)  # the stream starts there; the checkpoint holds the model of that point
+    if begin.epoch >= cfg.train.epochs:  # an elastic run that finished just before this group started
+        return
     device = ray.train.torch.get_device()
     # Threads and cores before the first parallel region (the plan's other parts came with the process).
     cpu_used = setup.cpu.apply_trainer(ctx.get_local_rank(), ctx.get_local_world_size()) if setup.cpu else {}
@@ -104,51 +114,65 @@ def train_loop(config: dict) -> None:
     elif cfg.data.embedding_dim:
         embedding = NodeEmbedding(graph.num_nodes, cfg.data.embedding_dim, embedding_lr, cfg.run.seed)
 
-    # 2. Restore the checkpoint the driver chose, if any (the owners of a sharded table are reset without one:
-    # they outlive a failed attempt). The embedding's rows are read by whoever holds them, from the files that
+    # 2. Restore the chosen checkpoint, if any (the owners of a sharded table are reset without one: they
+    # outlive a failed attempt). The embedding's rows are read by whoever holds them, from the files that
     # hold them, whatever the shards of the run that wrote it (gnnray.train.checkpoint).
-    state = checkpoint.load_state(setup.resume_from) if setup.resume_from else None
+    state = checkpoint.load_state(begin.checkpoint) if begin.checkpoint else None
     if state:
         model.load_state_dict(state["model"])
-    if setup.resume_from and embedding or isinstance(embedding, ShardedEmbedding):
-        embedding.load(setup.resume_from)
+    if begin.checkpoint and embedding or isinstance(embedding, ShardedEmbedding):
+        embedding.load(begin.checkpoint)
 
     # 3. Ray Train: wrap the model in DDP and move it to this worker's device.
     model = ray.train.torch.prepare_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    start, best_val = setup.first_epoch, 0.0
+    best_val = 0.0
     if state:  # after prepare_model: load_state_dict moves the state to the parameters' device
         optimizer.load_state_dict(state["optimizer"])
-        start, best_val = state["epoch"] + 1, state["best_val_acc"]
+        best_val = state["best_val_acc"]
 
     # 4. Ray Train: this rank's shard of the mini-batch stream. Whole blocks,
     # rows sliced out by from_arrow: cheaper than Ray Data's per-row batching.
     # No extra block prefetch: the split iterator already fetches one block
     # ahead and the Prefetcher prepares --prefetch batches (read_ahead.py).
-    steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, world)
-    shard = ray.train.get_dataset_shard("train")
+    # Steps per epoch are those of the largest group: a fixed run's only one, an elastic run's global batch.
+    steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.workers_max)
+    if shard is None:
+        shard = ray.train.get_dataset_shard("train")
     blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
     rows = (row for block in blocks for row in from_arrow(block))
     evaluator = Evaluator(graph, cfg, rank, world, device, embedding, reader_for(graph, setup.graph.features))
     exported = TrainMetrics(cfg.run.name, rank)
     progress = Progress(setup.run_dir if rank == 0 else None)
     metrics_log = os.path.join(setup.run_dir, METRICS_LOG) if setup.run_dir and rank == 0 else None
+    config_saved = saved_config(cfg, setup.model_factory is not None)
+    memory, schedule = PrivateMemory(), checkpoint.Schedule(cfg.run.checkpoint_interval)
+    saves = StepCheckpoints(cfg, rank, world, model, optimizer, embedding, config_saved, schedule, setup.run_dir,
+                            plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers))
+    saves.restarts = begin.restarts
 
     # The embedding's rows are looked up on the prefetch thread too (counted in data_wait, as features are).
     with Prefetcher(rows, features, device, depth=cfg.train.prefetch, embedding=embedding) as batches:
-        for _ in range((start - setup.first_epoch) * steps):  # stream starts before the checkpoint: skip
-            next(batches)
-        memory, schedule = PrivateMemory(), checkpoint.Schedule(cfg.run.checkpoint_interval)
-        for epoch in range(start, cfg.train.epochs):
-            # 5. Train one epoch, then evaluate (sampled, all ranks together).
+        for epoch in range(begin.epoch, cfg.train.epochs):
+            # 5. Train the epoch (from the checkpoint's step if it was cut short), then evaluate (sampled, all
+            # ranks together).
+            done = begin.step if epoch == begin.epoch else 0
             fetched = features.stats()
-            stats = train_epoch(model, optimizer, batches, steps, graph.num_classes, device, exported, embedding,
-                                lambda step: progress.update(epoch, step, steps))
+            saves.best_val = best_val
+
+            def after_step(step: int, epoch=epoch, done=done) -> None:
+                progress.update(epoch, done + step, steps)
+                saves.after_step(epoch, done + step, steps)
+
+            stats = train_epoch(model, optimizer, of_epoch(batches, epoch, rank), steps - done, graph.num_classes,
+                                device, exported, embedding, after_step)
             if setup.graph.features is not None:  # what sharding cost this rank (the prefetch thread's gathers)
                 stats.update(exported.features(features.stats().since(fetched)))
+            started = time.monotonic()
             val_acc = evaluator.accuracy(model, "valid")
             best_val = max(best_val, val_acc)
-            metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=setup.restarts)
+            metrics = dict(epoch=epoch, **stats, val_acc=val_acc, best_val_acc=best_val, restarts=saves.restarts,
+                           world_size=world, first_step=done)
             last = epoch == cfg.train.epochs - 1
             if last:
                 metrics["test_acc"] = evaluator.accuracy(model, "test")
@@ -158,11 +182,150 @@ def train_loop(config: dict) -> None:
                                cpu_nice=cpu_used["nice"])
             exported.epoch(epoch, metrics)
             # 6. Ray Train: every rank reports every epoch; rank 0 attaches a checkpoint when one is due.
-            save = rank == 0 and schedule.due(final=last)
-            report(metrics, model, optimizer, rank, metrics_log, embedding,
-                   saved_config(cfg, setup.model_factory is not None) if save else None, save)
-            if save:
-                schedule.saved()
+            save = saves.at_epoch_end(last)
+            report(metrics, model, optimizer, rank, metrics_log, embedding, config_saved if save else None, save)
+            saves.epoch_ended(save, time.monotonic() - started)
+
+
+def of_epoch(batches: Iterator[MiniBatch], epoch: int, rank: int) -> Iterator[MiniBatch]:
+    """``batches`` of ``epoch``; a batch of another epoch means the stream and the plan disagree: raise."""
+    for mb in batches:
+        if mb.epoch != epoch:
+            raise GnnrayError(f"rank {rank} got a mini-batch of epoch {mb.epoch} while training epoch {epoch}: the "
+                              f"stream does not follow the seed plan (a bug; the run can resume from its last "
+                              f"checkpoint)")
+        yield mb
+
+
+class StepCheckpoints:
+    """Checkpoints within an epoch: every ``--checkpoint-every`` steps and, in an elastic run, on a preemption notice.
+
+    Every rank calls :meth:`after_step` after each step, so every rank takes
+    part in the same ``ray.train.report`` calls: a checkpoint within an epoch
+    is due after the same step on all ranks (a step count, or the notice that
+    ``ray.train.get_preemption_info``, a barrier, gives every rank alike).
+    The notice is asked for about every :data:`CHECK_S` seconds, a number of
+    steps rank 0 sets at each epoch's end from its step time (the barrier is a
+    round trip to Ray Train's synchronisation actor; its cost is in
+    docs/elastic.md). Without ``--checkpoint-every`` a fixed run does nothing
+    here.
+
+    On a preemption notice rank 0 writes a checkpoint at once, and training
+    goes on while the deadline is far; near it (:meth:`_near_deadline`, rank
+    0's view given to all), a last checkpoint is written and every rank waits
+    for Ray Train to restart the group without the drained node, so that no
+    step is trained twice. A notice without a deadline holds right after the
+    first checkpoint: Ray Train then restarts the group after its own default
+    wait.
+    """
+
+    SAFETY_S = 5.0  # beside the measured step, checkpoint and evaluation times (_near_deadline)
+    CHECK_S = 1.0  # how often to ask for a preemption notice; Ray Train's watcher looks every 5 s
+    FIRST_CHECK_STEPS = 16  # until the first epoch's end has measured a step
+    HOLD_PAST_DEADLINE_S = 120.0  # Ray Train restarts the group at the deadline; past this something is wrong
+
+    def __init__(self, cfg: JobConfig, rank: int, world: int, model, optimizer, embedding, config: dict,
+                 schedule: checkpoint.Schedule, run_dir: Optional[str], plan: list):
+        self._every, self._elastic = cfg.run.checkpoint_every, cfg.train.elastic
+        self._rank, self._world = rank, world
+        self._model, self._optimizer, self._embedding, self._config = model, optimizer, embedding, config
+        self._schedule, self._run_dir, self._plan = schedule, run_dir, plan
+        self.best_val, self.restarts = 0.0, 0
+        self._since = 0  # steps since the last checkpoint, the same on every rank
+        self._steps, self._check_every = 0, self.FIRST_CHECK_STEPS  # steps of this group; same on every rank
+        self._notice = None  # the preemption notice, once seen
+        self._hold_after_epoch = False
+        # Rank 0's recent step times and longest checkpoint and epoch end, for _near_deadline. The first step
+        # of a group waits for the stream to start: not a step time.
+        self._steps_s: collections.deque = collections.deque(maxlen=20)
+        self._last_step_at = math.inf
+        self._save_s = self._eval_s = 0.0
+
+    def after_step(self, epoch: int, done: int, steps: int) -> None:
+        """After step ``done`` (1-based) of ``epoch``'s ``steps``."""
+        import ray.train
+
+        now = time.monotonic()
+        if now > self._last_step_at:
+            self._steps_s.append(now - self._last_step_at)
+        self._since += 1
+        self._steps += 1
+        within = done < steps  # the epoch's last step is checkpointed (or not) at the epoch's end
+        noticed = False
+        if self._elastic and self._notice is None and self._steps % self._check_every == 0:
+            self._notice = ray.train.get_preemption_info()  # every rank at the same step: a barrier
+            noticed = self._notice is not None
+            if noticed and self._rank == 0 and self._run_dir:
+                log_event(self._run_dir, "preempted", nodes=list(self._notice.preempted_node_ids),
+                          deadline_ms=self._notice.deadline_ms, epoch=epoch, step=done, world_size=self._world)
+        if within and (noticed or (self._every and self._since >= self._every)):
+            self._save(epoch, done)
+        if self._notice is not None and self._agreed_near_deadline():
+            if not within:
+                self._hold_after_epoch = True  # once the epoch-end checkpoint is written
+            else:
+                if self._since:
+                    self._save(epoch, done)
+                self._hold()
+        self._last_step_at = time.monotonic()
+
+    def at_epoch_end(self, last: bool) -> bool:
+        """Whether rank 0 attaches a checkpoint to the epoch's report. With ``--checkpoint-every`` every rank
+        learns it (they all count the steps since the last checkpoint), and in an elastic run the steps between
+        two looks for a preemption notice."""
+        due = self._rank == 0 and bool(self._schedule.due(final=last) or self._notice is not None
+                                       or (self._every and self._since >= self._every))
+        if self._every or self._elastic:
+            import ray.train.collective
+
+            step_s = sum(self._steps_s) / len(self._steps_s) if self._steps_s else 0.0
+            check_every = max(1, min(1000, round(self.CHECK_S / step_s))) if step_s else self._check_every
+            due, self._check_every = ray.train.collective.broadcast_from_rank_zero(
+                (due, check_every) if self._rank == 0 else None)
+        return bool(due)
+
+    def epoch_ended(self, saved: bool, eval_s: float) -> None:
+        """After the epoch's report; ``saved``: rank 0 attached a checkpoint to it."""
+        self._eval_s = max(self._eval_s, eval_s)
+        if saved:
+            self._since = 0
+            self._schedule.saved()
+        if self._hold_after_epoch:
+            self._hold()
+        self._last_step_at = time.monotonic()
+
+    def _save(self, epoch: int, done: int) -> None:
+        started = time.monotonic()
+        position = dict(epoch=epoch - 1, step=done, best_val_acc=self.best_val, world_size=self._world,
+                        restarts=self.restarts, plan=self._plan)
+        report_position(position, self._model, self._optimizer, self._rank, self._embedding, self._config)
+        self._since = 0
+        self._save_s = max(self._save_s, time.monotonic() - started)
+        if self._rank == 0:
+            self._schedule.saved()
+
+    def _agreed_near_deadline(self) -> bool:
+        import ray.train.collective
+
+        near = self._near_deadline() if self._rank == 0 else None
+        return bool(ray.train.collective.broadcast_from_rank_zero(near))
+
+    def _near_deadline(self) -> bool:
+        """Rank 0: whether the next step, a checkpoint and an evaluation might not fit before the deadline."""
+        if self._notice.deadline_ms is None:
+            return True
+        left = self._notice.deadline_ms / 1000 - time.time()
+        step_s = max(self._steps_s, default=0.0)
+        return left < self.SAFETY_S + 3 * step_s + 2 * self._save_s + self._eval_s
+
+    def _hold(self) -> None:
+        """Wait, training nothing, until Ray Train ends this group at the deadline (then restarts it smaller)."""
+        deadline = self._notice.deadline_ms / 1000 if self._notice.deadline_ms else time.time() + 120.0
+        while time.time() < deadline + self.HOLD_PAST_DEADLINE_S:
+            time.sleep(0.5)
+        raise GnnrayError(f"rank {self._rank} waited {self.HOLD_PAST_DEADLINE_S:.0f} s past the preemption deadline "
+                          f"of nodes {', '.join(n[:8] for n in self._notice.preempted_node_ids)} and Ray Train did "
+                          f"not restart the worker group")
 
 
 def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device,

@@ -2,10 +2,15 @@
 
 The metrics line goes to ``STORAGE_PATH/NAME/metrics.jsonl`` (the driver
 prints it, tools read it) and through ``ray.train.report`` every epoch, with a
-checkpoint when ``checkpoint.Schedule`` says one is due. The checkpoint is
+checkpoint when ``checkpoint.Schedule`` says one is due; a checkpoint within an
+epoch (:func:`report_position`) is reported on its own. The checkpoint is
 written in place in the run's directory and reported without an upload: with
 ``--feature-shards`` each embedding owner writes its own rows there from its
 node, so no process gathers the table (``train.checkpoint``).
+
+An elastic run also keeps ``workers.jsonl`` (:func:`log_event`): a line for
+each worker-group start (its world size and where its stream starts) and for
+each preemption notice, from which the driver prints its resize lines.
 """
 
 from __future__ import annotations
@@ -24,6 +29,29 @@ from gnnray.train.embedding import EmbeddingTable
 
 METRICS_LOG = "metrics.jsonl"  # rank 0 appends one JSON line per epoch
 PROGRESS_FILE = ".progress"  # rank 0 rewrites "epoch step steps" during an epoch
+WORKERS_LOG = "workers.jsonl"  # an elastic run's worker-group starts and preemption notices
+
+
+def log_event(run_dir: str, event: str, **fields) -> dict:
+    """Append ``{"event", "time", **fields}`` to the run's :data:`WORKERS_LOG`; return it.
+
+    One writer at a time: the driver before ``fit``, then each worker group's
+    stream as the group starts, then that group's rank 0.
+    """
+    line = {"event": event, "time": time.time(), **fields}
+    with open(os.path.join(run_dir, WORKERS_LOG), "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return line
+
+
+def events(run_dir: str) -> list[dict]:
+    """The complete lines of the run's :data:`WORKERS_LOG` (none if it has none)."""
+    try:
+        with open(os.path.join(run_dir, WORKERS_LOG)) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def saved_config(cfg, custom_model: bool) -> dict:
@@ -97,6 +125,26 @@ def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str
     if not save:
         ray.train.report(metrics)
         return
+    _report_with_checkpoint(metrics, model, optimizer, embedding, config)
+
+
+def report_position(position: dict, model, optimizer, rank: int, embedding: Optional[EmbeddingTable] = None,
+                    config: Optional[dict] = None) -> None:
+    """A checkpoint within an epoch: every rank calls it at the same step (``ray.train.report`` waits for all);
+    rank 0 writes it. ``position`` holds ``epoch`` (the last completed), ``step`` (done of the next one) and
+    ``best_val_acc``; no metrics line is written."""
+    import ray.train
+
+    if rank != 0:
+        ray.train.report(position)
+        return
+    _report_with_checkpoint(position, model, optimizer, embedding, config)
+
+
+def _report_with_checkpoint(metrics: dict, model, optimizer, embedding: Optional[EmbeddingTable],
+                            config: Optional[dict]) -> None:
+    import ray.train
+
     storage = ray.train.get_context().get_storage()
     name = f"checkpoint_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S.%f}"  # Ray's own naming
     path = os.path.join(storage.experiment_fs_path, name)

@@ -248,3 +248,71 @@ def test_symmetric_relations_merge_each_same_type_relation_with_its_reverse(tmp_
     (untyped / "meta.json").write_text(json.dumps({"num_nodes": 3, "num_classes": 2}))
     with pytest.raises(DatasetError, match="--symmetric-relations applies to typed graphs"):
         load(untyped, symmetric_relations=True)
+
+
+def grouped_by_relation(indptr: np.ndarray, etype: np.ndarray) -> bool:
+    """Whether each node's in-edges come as runs of one relation each, in code order (GraphBolt's requirement)."""
+    dst = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+    key = dst * (int(etype.max()) + 1) + etype
+    return bool(np.all(np.diff(key) >= 0))
+
+
+def test_every_typed_builder_groups_in_edges_by_relation():
+    """GraphBolt samples a node's relations apart only over in-edges grouped by relation: every builder does it."""
+    from gnnray.data.typed import relation_csc, symmetric_relations
+
+    rng = np.random.default_rng(4)
+    src, dst = rng.integers(0, 50, 600), rng.integers(0, 50, 600)
+    etype = rng.integers(0, 3, 600).astype(np.int8)
+    indptr, indices, types = typed_csc(src, dst, etype, 50, 3, reverse=True, chunk=37)
+    assert grouped_by_relation(indptr, types)
+    # Streams given out of code order are written in code order.
+    streams = [(src[etype == j], dst[etype == j], j) for j in (2, 0, 1)]
+    indptr, indices, types = relation_csc(50, streams, 3)
+    assert grouped_by_relation(indptr, types)
+    got = Counter(zip(indices.tolist(), np.repeat(np.arange(50), np.diff(indptr)).tolist(), types.tolist()))
+    assert got == Counter(zip(src.tolist(), dst.tolist(), etype.tolist()))
+    # Merging rev_cites into cites (and rev_distracts into distracts) regroups them.
+    g = load_graph(DataConfig(dataset="synthetic-hetero", synthetic_nodes=300))
+    assert grouped_by_relation(g.indptr, g.etype)
+    before = typed_edges(g)
+    merged = symmetric_relations(g)
+    assert grouped_by_relation(merged.indptr, merged.etype)
+    assert sum(typed_edges(merged).values()) == sum(before.values())
+
+
+def test_sort_by_relation_keeps_each_relations_order_and_the_edges():
+    from gnnray.data.csc import csc_from_edges, sort_by_relation
+
+    rng = np.random.default_rng(5)
+    src, dst = rng.integers(0, 30, 400), rng.integers(0, 30, 400)
+    etype = rng.integers(0, 4, 400).astype(np.int8)
+    indptr, order = csc_from_edges(np.arange(400), dst, 30)  # edge ids in CSC order
+    indices, types = src[order].copy(), etype[order].copy()
+    assert not grouped_by_relation(indptr, types)
+    edge_ids = order.copy()
+    sort_by_relation(indptr, edge_ids, types.copy(), chunk=23)
+    sort_by_relation(indptr, indices, types, chunk=23)
+    assert grouped_by_relation(indptr, types)
+    np.testing.assert_array_equal(indices, src[edge_ids])
+    np.testing.assert_array_equal(types, etype[edge_ids])
+    for v in range(30):  # stable: a node's edges of one relation keep their order (here: input order)
+        seg = edge_ids[indptr[v]:indptr[v + 1]]
+        for t in range(4):
+            mine = seg[etype[seg] == t]
+            assert np.all(np.diff(mine) > 0)
+
+
+def test_typed_dir_helper_writes_a_graph_whose_signal_is_in_few_edges(tmp_path):
+    """The accuracy runs' typed graph directory (docs/typed-graphs.md): papers' in-edges are mostly noise."""
+    from typed_dir import write_typed_dir
+
+    g = load(write_typed_dir(tmp_path / "g", papers=600))
+    assert g.node_types == ("author", "institution", "paper") and g.target_type == "paper"
+    names = [r for _, r, _ in g.edge_types]
+    papers = np.flatnonzero(g.ntype == g.node_types.index("paper"))
+    into_papers = np.concatenate([g.etype[g.indptr[v]:g.indptr[v + 1]] for v in papers])
+    share = np.bincount(into_papers, minlength=len(names)) / into_papers.size
+    noise = share[names.index("mentions")] + share[names.index("rev_mentions")]
+    assert noise > 0.6 and share[names.index("cites")] < 0.15 and share[names.index("writes")] < 0.15
+    assert grouped_by_relation(g.indptr, g.etype)

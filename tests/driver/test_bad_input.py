@@ -174,6 +174,9 @@ def test_missing_or_unreadable_file_rejected(ray_cluster, tmp_path, capsys, dama
     (["--fanouts", "5,0"], ["--fanouts", "positive"]),
     (["--fanouts", "5,x"], ["--fanouts", "integers"]),
     (["--fanouts", "5,2.5"], ["--fanouts", "integers"]),
+    # Relation lists are checked against the loaded graph, on the driver.
+    (["--fanouts", "5,5;cites=3,3"], ["--fanouts", "no relations", "--fanouts 5,5"]),
+    (["--dataset", "synthetic-hetero", "--fanouts", "5,5;nope=1,1"], ["--fanouts", "no relation 'nope'", "cites"]),
     (["--batch-size", "0"], ["--batch-size"]),
     (["--storage-path", "/dev/null/runs"], ["--storage-path", "cannot write checkpoints"]),
     # The session's cluster has no autoscaler, 6 CPUs a node and no GPU.

@@ -58,9 +58,13 @@ def test_ray_validates_cluster_yaml(config):
     assert head["resources"] == {"CPU": 0}  # the head schedules no work
     gpu = [t for t in types.values() if t["resources"].get("GPU", 0) >= 1]
     cpu = [n for n, t in types.items() if n != prepared["head_node_type"] and not t["resources"].get("GPU")]
-    assert len(gpu) == 1 and len(cpu) == 1
-    for node_type in (gpu[0], types[cpu[0]]):  # room for a train worker / sampler actor; autoscaled
+    assert len(gpu) == 2 and len(cpu) == 1
+    for node_type in (*gpu, types[cpu[0]]):  # room for a train worker / sampler actor; autoscaled
         assert node_type["resources"]["CPU"] >= 1 and 0 <= node_type["min_workers"] < node_type["max_workers"]
+    # Elastic runs: a spot GPU type from 0, set up as the on-demand one.
+    spot = types["gpu_spot_worker"]
+    assert spot["node_config"]["InstanceMarketOptions"] == {"MarketType": "spot"} and spot["min_workers"] == 0
+    assert spot["worker_setup_commands"] == types["gpu_worker"]["worker_setup_commands"]
     assert sum(t["max_workers"] for n, t in types.items() if n != prepared["head_node_type"]) <= prepared["max_workers"]
 
 
@@ -82,10 +86,10 @@ def test_setup_commands_install_the_pinned_stack(config):
     """Every node installs pyproject's pins; GPU nodes get DGL's CUDA build for the pinned torch."""
     prepared = _prepared(config)
     pinned = _pinned()
-    gpu_type = next(t for t in prepared["available_node_types"].values() if t["resources"].get("GPU"))
     torch_minor = ".".join(str(next(iter(pinned["torch"].specifier)).version).split(".")[:2])
+    gpu_types = [t for t in prepared["available_node_types"].values() if t["resources"].get("GPU")]
     for commands, cuda in ((prepared["head_setup_commands"], False), (prepared["worker_setup_commands"], False),
-                           (gpu_type["worker_setup_commands"], True)):
+                           *((t["worker_setup_commands"], True) for t in gpu_types)):
         installed = _installed(commands)
         assert set(pinned) <= set(installed) <= set(pinned) | {"boto3"}, commands  # Ray's default: boto3 on the head
         for name, req in pinned.items():

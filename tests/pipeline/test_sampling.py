@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 
 import numpy as np
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from conftest import tiny_graph
+from gnnray.config import Fanouts, from_dict, parse_args
+from gnnray.errors import ConfigError
 from gnnray.pipeline.batch import MiniBatch
 from gnnray.data.graph import Graph
 from gnnray.pipeline.sampler import Sampler, SamplerActor
@@ -203,3 +206,142 @@ def test_more_than_2_31_edges_int64_indptr_beside_int32_indices(tmp_path):
     # Node 0 samples too: 3 of its loops, from anywhere in its 2**31 offsets.
     zero = sampler.sample(np.array([0]))
     assert zero.layers[-1].indptr.tolist() == [0, 3] and zero.input_nodes.tolist() == [0]
+
+
+# ----------------------------------------------------------------------------- typed graphs: per-relation fanouts
+
+RELATIONS = ("r0", "r1", "r2")
+
+
+def typed_graph(num_nodes: int = 60, num_edges: int = 900, seed: int = 0, int32: bool = False) -> Graph:
+    """Random edges of three relations and their reverses (six), built as the loader builds a typed CSC."""
+    from gnnray.data.csc import compact_csc, typed_csc
+
+    rng = np.random.default_rng(seed)
+    src, dst = rng.integers(0, num_nodes, num_edges), rng.integers(0, num_nodes, num_edges)
+    # Relation r2 is rare, so many nodes have one or two of its edges beside many of the others'.
+    rel = rng.choice(3, num_edges, p=[0.55, 0.4, 0.05]).astype(np.int8)
+    indptr, indices, etype = typed_csc(src, dst, rel, num_nodes, 3, reverse=True, chunk=97)
+    if int32:
+        indptr, indices = compact_csc(indptr, indices)
+    names = RELATIONS + tuple(f"rev_{r}" for r in RELATIONS)
+    return Graph(indptr, indices, np.zeros((num_nodes, 0), np.float32), rng.integers(0, 3, num_nodes),
+                 np.arange(num_nodes), np.arange(0), np.arange(0), 3, "typed", etype=etype,
+                 ntype=np.zeros(num_nodes, np.int8), node_types=("n",), edge_types=tuple(("n", r, "n") for r in names),
+                 target_type="n")
+
+
+def check_typed_batch(graph: Graph, fanouts: Fanouts, seeds: np.ndarray, mb: MiniBatch) -> int:
+    """Each relation's sampled in-edges of each destination: real edges, min(its fanout, its in-degree) of them.
+
+    Returns how many destinations got more in-edges than the default fanout of their layer (several relations'
+    worth: impossible with one draw over all relations).
+    """
+    names = [r for _, r, _ in graph.edge_types]
+    beyond = 0
+    assert mb.seeds.tolist() == seeds.tolist()
+    for i, (layer, (src, dst)) in enumerate(zip(mb.layers, layer_global_ids(mb))):
+        indptr, indices, etype = layer.indptr.numpy(), layer.indices.numpy(), layer.etype.numpy()
+        assert etype.dtype == graph.etype.dtype and etype.shape == indices.shape
+        for j, v in enumerate(dst.tolist()):
+            seg = slice(graph.indptr[v], graph.indptr[v + 1])
+            available = Counter(zip(graph.indices[seg].tolist(), graph.etype[seg].tolist()))
+            sampled = Counter(zip(src[indices[indptr[j]:indptr[j + 1]]].tolist(),
+                                  etype[indptr[j]:indptr[j + 1]].tolist()))
+            for edge, k in sampled.items():
+                assert k <= available[edge], f"block {i}: edge {edge} into {v} sampled {k}x, graph has {available[edge]}"
+            for code, name in enumerate(names):
+                degree = sum(k for (_, t), k in available.items() if t == code)
+                n = sum(k for (_, t), k in sampled.items() if t == code)
+                fanout = fanouts.of(name)[i]
+                want = degree if fanout == -1 else min(fanout, degree)
+                assert n == want, f"block {i}: node {v} has {degree} {name} in-edges, sampled {n} (fanout {fanout})"
+            beyond += fanouts.layers[i] != -1 and sum(sampled.values()) > fanouts.layers[i]
+    return beyond
+
+
+TYPED_FANOUTS = ["2", "3,2", "2,1;r0=5,1;rev_r2=1,-1", "1,-1,2;r1=-1,1,3"]
+
+
+@pytest.mark.parametrize("int32", [False, True], ids=["int64", "int32"])
+@pytest.mark.parametrize("text", TYPED_FANOUTS)
+def test_typed_graphs_sample_each_relation_with_its_own_fanout(text, int32):
+    graph = typed_graph(int32=int32)
+    fanouts = Fanouts.parse(text)
+    sampler = Sampler(graph, fanouts)
+    rng = np.random.default_rng(1)
+    beyond = 0
+    for size in (1, 7, 40):
+        seeds = rng.choice(graph.num_nodes, size, replace=False)
+        beyond += check_typed_batch(graph, fanouts, seeds, sampler.sample(seeds))
+    assert beyond > 0  # a node's relations are drawn apart: more than one default fanout's worth in total
+
+
+def test_a_typed_graph_takes_a_list_of_ints_as_the_fanout_of_every_relation():
+    graph = typed_graph(seed=2)
+    seeds = np.arange(20)
+    assert check_typed_batch(graph, Fanouts((2, 2)), seeds, Sampler(graph, [2, 2]).sample(seeds)) > 0
+
+
+def test_typed_graphs_are_stored_with_in_edges_grouped_by_relation():
+    """GraphBolt reads each relation of a node as one run of equal codes: the typed CSC must come so."""
+    graph = typed_graph()
+    for v in range(graph.num_nodes):
+        codes = graph.etype[graph.indptr[v]:graph.indptr[v + 1]]
+        assert np.all(np.diff(codes.astype(np.int64)) >= 0)
+
+
+def test_fanout_table_names_the_flag_the_relation_and_the_graphs_relations():
+    from gnnray.data.typed import fanout_table
+
+    graph = typed_graph()
+    assert fanout_table(Fanouts.parse("4,3;r1=2,-1"), graph) == [[4, 2, 4, 4, 4, 4], [3, -1, 3, 3, 3, 3]]
+    with pytest.raises(ConfigError) as info:
+        fanout_table(Fanouts.parse("4,3;cites=2,2"), graph)
+    for text in ("--fanouts", "'cites'", "r0, r1, r2, rev_r0, rev_r1, rev_r2"):
+        assert text in str(info.value), str(info.value)
+    with pytest.raises(ConfigError, match="--fanouts .*no relations.*--fanouts 4,3"):
+        fanout_table(Fanouts.parse("4,3;r1=2,2"), tiny_graph())
+    assert fanout_table(Fanouts.parse("4,3"), tiny_graph()) == [[4], [3]]
+
+
+def test_untyped_graphs_sample_one_fanout_over_all_in_edges():
+    graph = tiny_graph(num_nodes=12, num_edges=150, seed=3)
+    sampler = Sampler(graph, Fanouts((3, 2)))
+    assert [f.tolist() for f in sampler._fanouts] == [[2], [3]]  # one GraphBolt fanout per layer, output first
+    seeds = np.arange(12)
+    mb = sampler.sample(seeds)
+    check_batch(graph, (3, 2), seeds, mb)
+    assert all(layer.etype is None for layer in mb.layers)
+
+
+# ----------------------------------------------------------------------------- the --fanouts text
+
+def test_fanouts_text_gives_relations_their_own_lists():
+    cfg = parse_args(["--fanouts", "10,10; cites=5,5 ;rev_writes=3,-1"])
+    f = cfg.sampler.fanouts
+    assert f.layers == (10, 10) and cfg.sampler.num_layers == 2 and list(f) == [10, 10]
+    assert f.of("cites") == (5, 5) and f.of("rev_writes") == (3, -1) and f.of("writes") == (10, 10)
+    assert str(f) == "10,10;cites=5,5;rev_writes=3,-1"
+    # Checkpoints keep the configuration as JSON: the overrides survive.
+    assert from_dict(json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
+    assert parse_args(["--fanouts", str(f)]) == cfg
+    assert parse_args(["--fanouts", "5,5"]).sampler.fanouts == Fanouts((5, 5))
+
+
+@pytest.mark.parametrize("text, says", [
+    ("cites=5,5", "the default list comes first"),
+    ("10,10;cites=5", "relation 'cites' has 1 fanouts but the default list 10,10 has 2 layers"),
+    ("10,10;cites=5,5,5", "relation 'cites' has 3 fanouts"),
+    ("10,10;cites=5,5;cites=3,3", "relation 'cites' is given twice"),
+    ("10,10;cites", "'cites' is not relation=fanouts"),
+    ("10,10;=5,5", "'=5,5' is not relation=fanouts"),
+    ("10,10;cites=", "relation 'cites': '' is not a list of fanouts"),
+    ("10,10;cites=5,x", "relation 'cites': '5,x' is not a list of fanouts"),
+    ("10,10;cites=0,5", "each fanout must be a positive integer"),
+    ("10,10;cites=-2,5", "each fanout must be a positive integer"),
+])
+def test_bad_fanouts_texts_are_refused_saying_what_is_wrong(text, says):
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--fanouts", text])
+    assert str(info.value).startswith("--fanouts ") and says in str(info.value), str(info.value)

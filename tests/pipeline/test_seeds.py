@@ -84,11 +84,13 @@ def test_seed_dataset_rows(ray_cluster):
     plan = SeedPlan.for_run(np.arange(1000, 1061, dtype=np.int64), batch_size=4, num_workers=2, seed=7)
     ds = seed_dataset(plan, first_epoch=1, num_epochs=4)
     rows = [int(r["row"]) for r in ds.take_all()]
-    assert rows == list(range(plan.rows_per_epoch, 4 * plan.rows_per_epoch))  # epochs 1-3, in order
-    # Several small blocks, so that several sampler actors get work.
+    assert sorted(rows) == list(range(plan.rows_per_epoch, 4 * plan.rows_per_epoch))  # epochs 1-3, each row once
+    # Blocks of 16 steps of one rank, rank 0 first: rank r's rows are the pieces r of the steps, in order.
     per_block = gnnray.pipeline.seeds.ROWS_PER_BLOCK
-    assert len(rows) > 2 * per_block
-    assert ds.materialize().num_blocks() == -(-len(rows) // per_block)
+    blocks = [rows[i:i + per_block] for i in range(0, 2 * per_block, per_block)]
+    first = plan.rows_per_epoch  # the first row of epoch 1 (step 0, piece 0)
+    assert blocks == [list(range(first + r, first + r + 2 * per_block, 2)) for r in (0, 1)]
+    assert ds.materialize().num_blocks() == 2 * -(-(3 * plan.steps) // per_block)  # one block per rank per group
 
 
 def test_seed_dataset_caps_its_block_count(ray_cluster, monkeypatch):
@@ -98,29 +100,81 @@ def test_seed_dataset_caps_its_block_count(ray_cluster, monkeypatch):
     monkeypatch.setattr(gnnray.pipeline.seeds, "_MAX_BLOCKS", 5)
     plan = SeedPlan.for_run(np.arange(100), batch_size=4, num_workers=2, seed=0)  # 26 rows per epoch
     ds = seed_dataset(plan, first_epoch=0, num_epochs=4)
-    assert ds.num_blocks() == 5
-    assert [int(r["row"]) for r in ds.take_all()] == list(range(4 * 26))
+    assert ds.num_blocks() <= 5
+    assert sorted(int(r["row"]) for r in ds.take_all()) == list(range(4 * 26))
 
 
-def test_every_rank_gets_the_same_number_of_steps(ray_cluster):
-    """Every rank takes the same number of optimizer steps each epoch, through the job's real pipeline."""
-    import ray
+def test_fixed_plan_is_the_plan_of_before():
+    """A fixed run's rows hold the seeds they always held: the permutation cut into steps x N batches."""
+    ids = np.arange(500, 713, dtype=np.int64)
+    plan = SeedPlan.for_run(ids, batch_size=8, num_workers=3, seed=5)
+    assert (plan.steps, plan.ranks, plan.rows_per_epoch) == (9, 3, 27)
+    for epoch in (0, 4):
+        before = np.array_split(np.random.default_rng([5, epoch]).permutation(ids), 27)
+        assert [b.tolist() for b in plan.batches(epoch)] == [b.tolist() for b in before]
+
+
+def test_elastic_plan_has_one_epoch_order_for_any_world_size():
+    """Global batches of --batch-size x MAX: the same steps, each with the same seeds, for W = 1, 2, 3."""
+    ids = np.arange(1000, 1250, dtype=np.int64)
+    plans = {w: SeedPlan.elastic(ids, batch_size=10, max_workers=3, world_size=w, seed=3) for w in (1, 2, 3)}
+    assert {p.steps for p in plans.values()} == {steps_per_epoch(250, 10, 3)} == {9}
+    for epoch in (0, 2):
+        steps = {w: [p.step_seeds(epoch, k).tolist() for k in range(p.steps)] for w, p in plans.items()}
+        assert steps[1] == steps[2] == steps[3]
+        assert sorted(sum(steps[1], [])) == ids.tolist()  # every seed once per epoch
+        assert max(len(s) for s in steps[1]) <= 30  # the global batch
+        for w, p in plans.items():  # each step cut into W near-equal pieces, one per rank
+            pieces = p.batches(epoch)
+            assert len(pieces) == p.steps * w
+            sizes = [len(x) for x in pieces[:w]]
+            assert max(sizes) - min(sizes) <= 1 and sum(sizes) == len(steps[1][0])
+    # ... and a different order from a fixed run's at MAX (whose batches are cut from the epoch at once).
+    assert SeedPlan.for_run(ids, 10, 3, 3).batches(0)[1].tolist() != plans[3].batches(0)[1].tolist()
+
+
+@pytest.mark.parametrize("world, epoch, step", [(1, 0, 0), (2, 1, 4), (3, 1, 8), (2, 2, 1)])
+def test_stream_from_a_step_covers_exactly_the_rest(world, epoch, step):
+    """A stream resumed after ``step`` steps of ``epoch`` holds exactly the steps after them, each rank its pieces."""
+    from gnnray.pipeline.seeds import stream_rows
+
+    ids = np.arange(250, dtype=np.int64)
+    plan = SeedPlan.elastic(ids, batch_size=10, max_workers=3, world_size=world, seed=3)
+    blocks = stream_rows(plan, epoch, 3, step)
+    rows = np.concatenate(blocks)
+    first = epoch * plan.rows_per_epoch + step * world
+    assert sorted(rows.tolist()) == list(range(first, 3 * plan.rows_per_epoch))
+    # Blocks go to the ranks in turn: rank r's k-th row is piece r of the k-th step after the checkpoint.
+    for r in range(world):
+        mine = np.concatenate(blocks[r::world])
+        assert mine.tolist() == list(range(first + r, 3 * plan.rows_per_epoch, world))
+    with pytest.raises(ValueError):
+        stream_rows(plan, 0, 3, plan.steps)
+
+
+@pytest.mark.parametrize("workers, world, first_epoch, first_step", [("3", 3, 0, 0), ("1,3", 2, 0, 7)])
+def test_every_rank_trains_its_own_piece_of_every_step(ray_cluster, workers, world, first_epoch, first_step):
+    """Through the job's real stream and Ray Data's equal split: every rank takes the same number of steps, and
+    its k-th batch is its piece of the k-th step of the plan (a fixed run from the start, an elastic one of 2
+    workers resumed after step 7), so the steps done are always the plan's first ones."""
     import ray.data
 
+    from gnnray.config import parse_args
     from gnnray.data.store import publish
-    from gnnray.pipeline.sampler import SamplerActor
+    from gnnray.pipeline.stream import execution_options, minibatch_stream
 
-    graph = tiny_graph()
-    train_idx = np.arange(23, dtype=np.int64)  # 23 seeds, 3 ranks of batch 4: does not divide evenly
-    batch_size, workers, epochs = 4, 3, 2
-    steps = steps_per_epoch(len(train_idx), batch_size, workers)
-    handle = publish(graph)
-    plan = SeedPlan.for_run(train_idx, batch_size=batch_size, num_workers=workers, seed=11)
-    ds = seed_dataset(plan, first_epoch=0, num_epochs=epochs)
-    ds = ds.map_batches(SamplerActor, fn_constructor_kwargs=dict(graph=handle, fanouts=(2, 2), plan=plan),
-                        batch_size=None, batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=2),
-                        num_cpus=1)
-    its = ds.streaming_split(workers, equal=True)
+    graph = tiny_graph(num_nodes=400, num_edges=2000)
+    train_idx = np.arange(230, dtype=np.int64)  # 230 seeds in batches of 4 per rank: does not divide evenly
+    epochs = 2
+    cfg = parse_args(["--num-workers", workers, "--batch-size", "4", "--epochs", str(epochs), "--fanouts", "2,2",
+                      "--sampler-actors", "2"])
+    if cfg.train.elastic:
+        plan = SeedPlan.elastic(train_idx, 4, cfg.train.workers_max, world, seed=11)
+    else:
+        plan = SeedPlan.for_run(train_idx, batch_size=4, num_workers=world, seed=11)
+    ds = minibatch_stream(cfg, publish(graph), plan, first_epoch, first_step=first_step)
+    ds.context.execution_options = execution_options()
+    its = ds.streaming_split(world, equal=True)
 
     got: dict[int, list[MiniBatch]] = defaultdict(list)
     errors: list[BaseException] = []
@@ -140,12 +194,14 @@ def test_every_rank_gets_the_same_number_of_steps(ray_cluster):
     assert not any(t.is_alive() for t in threads), "streaming_split consumers hung"
     assert not errors, errors
 
-    counts = [len(got[r]) for r in range(workers)]
-    assert counts == [steps * epochs] * workers
-    for epoch in range(epochs):
-        seeds = [s for r in range(workers) for mb in got[r] if mb.epoch == epoch for s in mb.seeds.tolist()]
-        assert sorted(seeds) == train_idx.tolist(), f"epoch {epoch}"
-    for r in range(workers):
-        for mb in got[r]:
-            assert mb.num_seeds <= batch_size
+    steps = [(e, k) for e in range(first_epoch, epochs) for k in range(plan.steps)][first_step:]
+    assert [len(got[r]) for r in range(world)] == [len(steps)] * world
+    for r in range(world):
+        for (epoch, k), mb in zip(steps, got[r]):
+            assert mb.epoch == epoch
+            assert mb.seeds.tolist() == plan.batches(epoch)[k * world + r].tolist(), (r, epoch, k)
             assert mb.labels.tolist() == graph.label[mb.seeds.numpy()].tolist()
+    for epoch in range(first_epoch, epochs):  # every seed of an epoch once, from the resumed step on
+        seeds = sorted(s for r in range(world) for mb in got[r] if mb.epoch == epoch for s in mb.seeds.tolist())
+        done = first_step if epoch == first_epoch else 0
+        assert seeds == sorted(np.concatenate([plan.step_seeds(epoch, k) for k in range(done, plan.steps)]).tolist())

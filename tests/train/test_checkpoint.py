@@ -75,6 +75,42 @@ def test_latest_valid_picks_highest_epoch(tmp_path):
     assert bad == []
 
 
+def test_checkpoints_within_epochs_order_by_step_and_resume_after_it(tmp_path):
+    """A checkpoint within an epoch is (last completed epoch, steps done of the next); the furthest one wins."""
+    save_epoch(tmp_path / "checkpoint_z", 1)  # end of epoch 1
+    save_epoch(tmp_path / "checkpoint_a", 1, step=7)  # step 7 of epoch 2 (older name: names do not decide)
+    save_epoch(tmp_path / "checkpoint_b", 1, step=3)
+    best, bad = checkpoint.latest_valid(str(tmp_path))
+    assert (best.path, best.epoch, best.step, bad) == (str(tmp_path / "checkpoint_a"), 1, 7, [])
+    assert checkpoint.next_position(best) == (2, 7)
+    assert checkpoint.next_position(checkpoint.read_info(str(tmp_path / "checkpoint_z"))) == (2, 0)
+    assert checkpoint.next_position(None) == (0, 0)
+    state = checkpoint.load_state(best.path)
+    assert (state["epoch"], state["step"]) == (1, 7)
+    # Within the first epoch: no epoch completed yet.
+    save_epoch(tmp_path / "first" / "checkpoint_x", -1, step=2)
+    first, _ = checkpoint.latest_valid(str(tmp_path / "first"))
+    assert checkpoint.next_position(first) == (0, 2)
+
+
+def test_step_of_another_plan_restarts_its_epoch(tmp_path):
+    """A step means other seeds under another --batch-size or --num-workers: resume at the epoch's start."""
+    save_epoch(tmp_path / "checkpoint_a", 1, step=7, plan=["global", 19])
+    info = checkpoint.read_info(str(tmp_path / "checkpoint_a"))
+    assert checkpoint.next_position(info, ["global", 19]) == (2, 7)
+    assert checkpoint.next_position(info, ["global", 38]) == (2, 0)
+    assert checkpoint.next_position(info, ["fixed", 19, 3]) == (2, 0)
+
+
+def test_state_and_meta_of_different_steps_is_corrupt(tmp_path):
+    d = tmp_path / "checkpoint_a"
+    save_epoch(d, 1, step=4)
+    meta = json.loads((d / checkpoint.META_FILE).read_text())
+    meta["step"] = 5
+    (d / checkpoint.META_FILE).write_text(json.dumps(meta))
+    assert "step 4" in checkpoint.corrupt_reason(str(d)) and "step 5" in checkpoint.corrupt_reason(str(d))
+
+
 def truncate_state(d):
     p = d / checkpoint.STATE_FILE
     data = p.read_bytes()
