@@ -25,7 +25,7 @@ step  file                        runs on                 output
   its place in the object store (``store.py``, ``shards.py``).
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
   wire format, ``stream.py`` builds the Ray Data stream in one place.
-- ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it, free of torch), plus ``embedding.py`` (``--embedding-dim``)
+- ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it), plus ``embedding.py`` (``--embedding-dim``)
   and ``checkpoint.py`` (written by rank 0 and, for embedding rows, by their owners; chosen by the driver).
 - ``driver/``: ``cli.py`` (exit codes) -> ``fit.py`` (resume, restarts, final
   evaluation); ``launch.py`` (init Ray, load, publish; shared with

@@ -1,9 +1,9 @@
-"""What the driver hands every train worker (stage 7's input), in a module that imports no torch.
+"""What the driver hands every train worker (stage 7's input), in a module of its own.
 
 Ray Train's controller and its state actor unpickle the training function's
-config, and with it this module; kept free of torch, they start without
-importing it (seconds of CPU each at start-up, on the cores the run's other
-processes are starting on).
+config, and with it this module: they need none of the worker's stages
+(sampling, prefetch, models, embeddings), which ``train/loop.py`` imports.
+(They import torch anyway, through Ray Train's ``TorchConfig``.)
 """
 
 from __future__ import annotations
