@@ -376,6 +376,14 @@ def test_elastic_run_restarts_within_one_fit(ray_cluster, tmp_path):
     assert "workers: started 1, at epoch 0 step 0" in out and "workers: 1 -> 1 (restarted: a worker failed)" in out
     assert "training failed" not in out  # the driver did not restart it: Ray Train did
     assert {m["world_size"] for m in logged(tmp_path, "el")} == {1}
+    # What the dashboard's Train view lists (Ray Train's state actor): one run, whose restart is its second attempt.
+    import ray
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    actor = get_state_actor()
+    runs = [r for r in ray.get(actor.get_train_runs.remote()).values() if r.name == "el"]
+    assert len(runs) == 1
+    assert len(ray.get(actor.get_train_run_attempts.remote())[runs[0].id]) == 2
 
 
 def test_elastic_split_makes_the_stream_of_each_group_from_the_newest_checkpoint(ray_cluster, tmp_path):
