@@ -195,20 +195,21 @@ def _servers():
 
     class Hanging:
         def __init__(self):
-            self.cancelled = False
+            self.started = self.cancelled = 0
 
         def gather(self, local_ids):
             import time
 
             import ray
 
+            self.started += 1
             while not ray.get_runtime_context().is_canceled():
                 time.sleep(0.05)
-            self.cancelled = True
+            self.cancelled += 1
             raise RuntimeError("cancelled")
 
-        def was_cancelled(self):
-            return self.cancelled
+        def calls(self):
+            return self.started, self.cancelled
 
     return (ray.remote(ShardServer).options(num_cpus=0, max_concurrency=8),
             ray.remote(Hanging).options(num_cpus=0, max_concurrency=4))
@@ -238,17 +239,24 @@ def _far_handle(table: np.ndarray, kinds: list, timeout_s: float = 30):
 
 
 def _cancelled(hangers) -> bool:
-    """Whether every hanging call saw Ray's cancellation (polled for up to a minute: it is asynchronous)."""
+    """Whether no hanging call is left running: each one either saw Ray's cancellation or was cancelled before it
+    started (a dead server can fail the gather before a hanging call begins). Polled for up to a minute, since
+    cancellation is asynchronous, and the calls must stay settled for a second: an uncancelled call would start and
+    never end."""
     import time
 
     import ray
 
-    deadline = time.monotonic() + 60
-    while not all(ray.get([h.was_cancelled.remote() for h in hangers])):
-        if time.monotonic() > deadline:
-            return False
+    deadline, settled_since = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        if all(started == cancelled for started, cancelled in ray.get([h.calls.remote() for h in hangers])):
+            settled_since = settled_since or time.monotonic()
+            if time.monotonic() - settled_since >= 1:
+                return True
+        else:
+            settled_since = None
         time.sleep(0.1)
-    return True
+    return False
 
 
 def _every_row(handle) -> np.ndarray:
