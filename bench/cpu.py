@@ -29,6 +29,7 @@ GROUPS = (
     ("driver", "train_arxiv.py"),
     ("driver", "bench.dgl_loop"),
     ("driver", "bench/benchmark.py"),
+    ("driver", "-m bench"),
     ("Ray daemons", "raylet"),
     ("Ray daemons", "gcs_server"),
     ("Ray daemons", "dashboard"),

@@ -51,7 +51,8 @@ def bench_sampler(graph: Graph, handle, seed_ids: np.ndarray, s: Settings) -> li
               f"{m['per_actor_batches_per_s']:.1f} per actor (rows per actor: {m['rows_by_actor']}); in the actor "
               f"{m['in_call_ms']:.1f} ms/batch sampling+packing, {m['between_calls_ms']:.1f} ms between calls, "
               f"{m['cpu_ms']:.0f} ms of CPU; first batch {m['first_batch_done_s']:.1f} s after start; consumer "
-              f"{m['consumer_lag_end_s']:.2f} s behind at the end; unpack {m['unpack_ms']:.2f} ms", flush=True)
+              f"{m['consumer_lag_end_s']:.2f} s behind at the end; unpack {m['unpack_ms']:.2f} ms; cores used: "
+              f"{m['cores_by_process']}", flush=True)
         return m
 
     rows = []

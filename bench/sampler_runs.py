@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from bench import cpu
 from bench.common import REPO, Settings, job_config, threads
 from gnnray.data.graph import Graph
 
@@ -139,7 +140,8 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
     includes sampling, packing and Ray Data's work in the actor (batch
     conversion, the object store put). The consumer must keep up for that
     rate to be the pipeline's: its unpack time and how far it lags the actors
-    at the end are recorded.
+    at the end are recorded, and so are the cores each group of processes used (:mod:`bench.cpu`) from the
+    warm-up's end until the stream ends: where the machine's CPU goes beside the actors.
     """
     import dataclasses
 
@@ -153,7 +155,7 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
                      f"bench-sampler-{k}")
     plan = SeedPlan.for_run(seed_ids, s.batch_size, 1, s.seed)
     ds = stamped_stream(cfg, handle, plan).limit(k * s.sampler_batches)
-    start, stamps, arrived, unpack_s = time.time(), [], [], 0.0
+    start, stamps, arrived, unpack_s, window = time.time(), [], [], 0.0, []
     for block in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
         stamps += block.column("stamp").to_pylist()
         for packed in from_arrow(block):
@@ -162,6 +164,11 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
             unpack_s += time.perf_counter() - t
             assert mb.num_seeds > 0
             arrived.append(time.time())
+        if not window and len(arrived) >= k * s.sampler_warmup:
+            window.append((time.perf_counter(), cpu.snapshot()))
+    window.append((time.perf_counter(), cpu.snapshot()))
+    (t0, a), (t1, b) = window[0], window[-1]
+    cores = {g: round(v / (t1 - t0), 3) for g, v in sorted(cpu.between(a, b).items())}
     stamps = np.array(stamps)
     calls = call_stats(stamps, k * s.sampler_warmup, k)
     rate, busy = calls["rate"], calls["in_call_ms"]
@@ -171,4 +178,5 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
                 rows_by_actor=np.unique(stamps[:, 2], return_counts=True)[1].tolist(),
                 in_call_ms=busy, between_calls_ms=1000 * k / rate - busy, cpu_ms=calls["cpu_ms"],
                 first_batch_done_s=float(stamps[:, 1].min() - start),
-                consumer_lag_end_s=arrived[-1] - float(stamps[:, 1].max()), unpack_ms=1000 * unpack_s / len(stamps))
+                consumer_lag_end_s=arrived[-1] - float(stamps[:, 1].max()), unpack_ms=1000 * unpack_s / len(stamps),
+                cores_by_process=cores)

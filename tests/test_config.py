@@ -51,6 +51,18 @@ def test_every_flag_maps_to_its_field(tmp_path):
     assert cfg.run.max_failures == 2
 
 
+def test_eval_fanouts_default_to_the_training_ones_and_survive_a_checkpoint():
+    from dataclasses import asdict
+
+    from gnnray.config import from_dict
+
+    assert parse_args(["--fanouts", "3,3"]).sampler.evaluation_fanouts.layers == (3, 3)
+    cfg = parse_args(["--fanouts", "3,3", "--eval-fanouts", "10,10;cites=-1,-1"])
+    assert str(cfg.sampler.evaluation_fanouts) == "10,10;cites=-1,-1" and cfg.sampler.fanouts.layers == (3, 3)
+    assert from_dict(asdict(cfg)) == cfg
+    assert parse_args(["--eval-fanouts", "auto"]).sampler.eval_fanouts is None
+
+
 @pytest.mark.parametrize("text, expected", [("yes", True), ("no", False), ("auto", None), ("true", True),
                                             ("0", False)])
 def test_use_gpu_values(text, expected):
@@ -68,6 +80,9 @@ def test_single_sampler_actors_fixes_pool_size():
     (["--fanouts", "0,5"], "--fanouts"),
     (["--fanouts", "-2"], "--fanouts"),
     (["--fanouts", ""], "--fanouts"),
+    (["--eval-fanouts", "10,x"], "--eval-fanouts"),
+    (["--eval-fanouts", "0,5,5"], "--eval-fanouts"),
+    (["--eval-fanouts", "10,10"], "--eval-fanouts '10,10' has 2 layers but --fanouts '10,10,10' has 3"),
     (["--batch-size", "0"], "--batch-size"),
     (["--sampler-actors", "3,1"], "--sampler-actors"),
     (["--sampler-actors", "0"], "--sampler-actors"),

@@ -20,7 +20,7 @@ from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.driver import preflight
-from gnnray.errors import ClusterError
+from gnnray.errors import ClusterError, ConfigError
 
 # gnnray.driver.console is imported where used, once Ray has started: it imports torch (through
 # gnnray.train.report), which a thread imports meanwhile (load_and_publish).
@@ -132,6 +132,17 @@ class Published:
     source: Optional[FeatureSource] = None
 
 
+def _check_fanouts(cfg: JobConfig, graph) -> None:
+    """A relation the graph lacks is refused here, not in every actor and worker."""
+    from gnnray.data.typed import fanout_table
+
+    fanout_table(cfg.sampler.fanouts, graph)
+    try:
+        fanout_table(cfg.sampler.evaluation_fanouts, graph)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--fanouts", "--eval-fanouts")) from None
+
+
 def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]] = None) -> Published:
     """Load the graph and connect to Ray, then :func:`publish_checked`, or place the feature shards.
 
@@ -140,19 +151,18 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     local cluster, seconds of waiting for its processes) leave a core to spare.
     """
     from gnnray.data.load import load_graph, load_structure
-    from gnnray.data.typed import fanout_table
 
     threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
     if cfg.data.feature_shards == 1:
         graph = load_graph(cfg.data, cfg.run.seed)
-        fanout_table(cfg.sampler.fanouts, graph)  # a relation the graph lacks: refused here, not in every actor
+        _check_fanouts(cfg, graph)
         if model_check:
             model_check(graph.feat_dim, graph.num_classes)
         if graph.feat.dtype != np.dtype(cfg.data.feature_dtype):
             graph = dataclasses.replace(graph, feat=graph.feat.astype(cfg.data.feature_dtype))
         return Published(*publish_checked(cfg, graph))
     graph, source = load_structure(cfg.data, cfg.run.seed)
-    fanout_table(cfg.sampler.fanouts, graph)
+    _check_fanouts(cfg, graph)
     if model_check:
         model_check(source.dim, graph.num_classes)
     # A table read into memory is written once, a file per shard, and dropped here (the only reference):

@@ -1,6 +1,6 @@
 """Layer-wise full-neighbor inference: exact predictions for every node, as a Ray Data job.
 
-Sampled evaluation recomputes each node's neighborhood with ``--fanouts``;
+Sampled evaluation recomputes each node's neighborhood with ``--eval-fanouts`` (``--fanouts``);
 layer-wise inference (as DGL's ``inference`` and PyG's multi-GPU example) is
 exact and cheaper: layer ``i`` is computed once for *all* nodes, each with
 *all* its in-neighbors, from layer ``i - 1``'s output for all nodes.

@@ -25,7 +25,7 @@ class Evaluator:
         self._graph, self._cfg, self._rank, self._world, self._device = graph, cfg, rank, world, device
         self._features = features if features is not None else LocalRows(graph.feat)
         self._embedding = embedding
-        self._sampler = Sampler(graph, cfg.sampler.fanouts)
+        self._sampler = Sampler(graph, cfg.sampler.evaluation_fanouts)
         self._slot = HostSlot(pin=False)  # reused by one-batch splits, see _batches
 
     def accuracy(self, model, split: str) -> float:

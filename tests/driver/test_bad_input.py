@@ -177,6 +177,7 @@ def test_missing_or_unreadable_file_rejected(ray_cluster, tmp_path, capsys, dama
     # Relation lists are checked against the loaded graph, on the driver.
     (["--fanouts", "5,5;cites=3,3"], ["--fanouts", "no relations", "--fanouts 5,5"]),
     (["--dataset", "synthetic-hetero", "--fanouts", "5,5;nope=1,1"], ["--fanouts", "no relation 'nope'", "cites"]),
+    (["--eval-fanouts", "5,5;cites=3,3"], ["--eval-fanouts", "no relations", "--eval-fanouts 5,5"]),
     (["--batch-size", "0"], ["--batch-size"]),
     (["--storage-path", "/dev/null/runs"], ["--storage-path", "cannot write checkpoints"]),
     # The session's cluster has no autoscaler, 6 CPUs a node and no GPU.

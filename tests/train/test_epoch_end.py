@@ -35,6 +35,27 @@ def test_evaluation_in_one_batch_on_this_thread_equals_several(graph, monkeypatc
     assert [evaluator.accuracy(model, "valid") for _ in range(2)] == [want, want]  # its reused buffer too
 
 
+def test_eval_fanouts_are_what_evaluation_draws(graph):
+    """Trained at 1 neighbor per layer, evaluated with all: the same accuracy as with --fanouts=-1,-1 itself.
+
+    Evaluation with the training draw of one neighbor differs (a 1-neighbor draw of the tiny graph's
+    nodes is not all of them), so the check can fail if --eval-fanouts were ignored.
+    """
+    import torch
+
+    def accuracy(cfg):
+        torch.manual_seed(0)
+        model = model_for(graph.feat_dim, graph.num_classes, cfg)
+        return Evaluator(graph, cfg, 0, 1, "cpu").accuracy(model, "valid")
+
+    model = ModelConfig(hidden=8, dropout=0.0)
+    exact = accuracy(JobConfig(sampler=SamplerConfig(fanouts=(-1, -1)), model=model))
+    evaluated_whole = JobConfig(sampler=SamplerConfig(fanouts=(1, 1), eval_fanouts=(-1, -1)), model=model)
+    assert [accuracy(evaluated_whole) for _ in range(3)] == [exact] * 3
+    one_draw = JobConfig(sampler=SamplerConfig(fanouts=(1, 1)), model=model)
+    assert any(accuracy(one_draw) != exact for _ in range(5))
+
+
 def test_private_memory_passes_on_its_last_reading_until_a_new_one_pays(monkeypatch):
     readings = iter([100, 200, 300])
     monkeypatch.setattr(psutil, "Process", lambda: SimpleNamespace(
