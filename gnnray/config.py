@@ -209,9 +209,9 @@ class SamplerConfig(_Options):
                                              "more than training's lowers the draw's variance, as DGL's MAG240M "
                                              "example trains at 15,25 and evaluates at 160,160")
     max_ahead: Optional[int] = option(None, "mini-batches the sampler pool may run ahead of each train worker "
-                                      "(bounds the object store memory that sampled batches take; auto: the "
-                                      "least that keeps every sampler actor busy: 16-row seed blocks, three per "
-                                      "worker and one per actor; less is refused)", **at_least(1))
+                                      "(bounds the object store memory that sampled batches take; auto: 16-row "
+                                      "seed blocks, three per worker and three per actor, which keeps every actor "
+                                      "busy; less than one per actor is refused)", **at_least(1))
 
     def __post_init__(self):
         object.__setattr__(self, "fanouts", Fanouts.of_value(self.fanouts))  # code may give a list of ints

@@ -73,12 +73,15 @@ def read_ahead_rows(cfg: JobConfig, block: int, workers: Optional[int] = None, a
     ``--max-ahead`` counts every mini-batch sampled ahead of a worker's step,
     so the limit is ``--max-ahead`` x workers less the two seed blocks of
     ``block`` rows each worker's split iterator holds (the one it reads, the
-    one it fetches next). The least that works (``--max-ahead`` auto) leaves
-    the policy one block per worker and one per sampler actor: Ray Train's
-    equal split hands a block out only once it holds about one for every
-    worker, and each actor needs room for the block it samples. Below that the
-    stream moves only by Ray Data's liveness guard, one block at a time.
-    ``workers`` and ``actors`` (the pool's MAX) default to the job's largest.
+    one it fetches next). The least that works leaves the policy one block per
+    worker and one per sampler actor: Ray Train's equal split hands a block out
+    only once it holds about one for every worker, and each actor needs room
+    for the block it samples. Below that the stream moves only by Ray Data's
+    liveness guard, one block at a time. ``--max-ahead`` auto gives each actor
+    three (the one it samples, one queued behind it, one done and waiting to be
+    handed out): with one, an actor idles between calls while its output waits
+    (docs/performance.md). ``workers`` and ``actors`` (the pool's MAX) default
+    to the job's largest.
 
     Raises:
         ConfigError: ``--max-ahead`` is set below that least.
@@ -87,7 +90,7 @@ def read_ahead_rows(cfg: JobConfig, block: int, workers: Optional[int] = None, a
     actors = actors or cfg.sampler.actors_max
     held = 2 * workers * block
     least = held + (workers + actors) * block
-    total = least if cfg.sampler.max_ahead is None else cfg.sampler.max_ahead * workers
+    total = held + (workers + 3 * actors) * block if cfg.sampler.max_ahead is None else cfg.sampler.max_ahead * workers
     if total < least:
         raise ConfigError(
             f"--max-ahead {cfg.sampler.max_ahead}: with {workers} train worker(s), up to "

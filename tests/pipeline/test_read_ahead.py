@@ -115,7 +115,9 @@ def test_max_ahead_below_what_the_split_needs_is_refused():
     # 56 x 4 workers, less the 2 blocks each worker's iterator holds: a block per worker and per actor.
     assert read_ahead_rows(parse_args(["--num-workers", "4", "--sampler-actors", "1,2", "--max-ahead", "56"]),
                            ROWS_PER_BLOCK) == (4 + 2) * ROWS_PER_BLOCK
-    assert read_ahead_rows(parse_args(["--num-workers", "4", "--sampler-actors", "1,2"]), ROWS_PER_BLOCK) == 96
+    # auto: a block per worker and three per actor (one sampled, one queued, one waiting to be handed out).
+    assert read_ahead_rows(parse_args(["--num-workers", "4", "--sampler-actors", "1,2"]), ROWS_PER_BLOCK) == \
+        (4 + 3 * 2) * ROWS_PER_BLOCK
 
 
 def test_block_size_and_limit_agree_for_a_long_run(ray_cluster, monkeypatch):
@@ -129,7 +131,7 @@ def test_block_size_and_limit_agree_for_a_long_run(ray_cluster, monkeypatch):
     sizes = [len(batch["row"]) for batch in seed_dataset(plan, 0, 3).iter_batches(batch_size=None)]
     assert max(sizes) == block and sum(sizes) == 750
     cfg = parse_args(["--num-workers", "2", "--sampler-actors", "1,2"])
-    assert read_ahead_rows(cfg, block) == (2 + 2) * block
+    assert read_ahead_rows(cfg, block) == (2 + 3 * 2) * block
     with pytest.raises(ConfigError, match="at least"):  # enough for 16-row blocks, not for this run's
         read_ahead_rows(parse_args(["--num-workers", "2", "--sampler-actors", "1,2", "--max-ahead", "64"]), block)
 
