@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import secrets
 import os
 import re
 import statistics
@@ -332,7 +333,7 @@ class Head:
         self.tmpdir, self.address, self.env = tmpdir, f"127.0.0.1:{port}", env
         ray = str(Path(sys.executable).with_name("ray"))
         subprocess.run([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard_port}",
-                        "--dashboard-host=127.0.0.1", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
+                        "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
                         "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
 
     def pids(self) -> list[int]:
@@ -410,6 +411,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     env["RAY_TMPDIR"] = workdir
     head = None
     if args.join:
+        # Ray 2.60's `ray start` turns on token authentication when ~/.ray/auth_token exists, and a driver given an
+        # address does not read that file: the same explicit token for the head and the jobs (as test_job_submit).
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         head = Head(workdir, args.port, args.dashboard_port, args.num_cpus, env)
         env["RAY_ADDRESS"] = head.address
     runs = []

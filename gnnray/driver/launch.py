@@ -55,7 +55,14 @@ def init_ray(cfg: JobConfig) -> bool:
         # Read by OpenMP when a process loads it: set for every process of the job.
         job_env = dict(cpus.JOB_ENV) if cfg.train.cpu_plan == "on" else {}
         if os.environ.get("RAY_ADDRESS"):
-            ray.init(**options, **({"runtime_env": {"env_vars": job_env}} if job_env else {}))
+            try:
+                ray.init(**options, **({"runtime_env": {"env_vars": job_env}} if job_env else {}))
+            except ConnectionError as e:
+                raise ClusterError(
+                    f"cannot connect to the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']} ({e}). Check that "
+                    f"it is up (ray status). A cluster started by `ray start` may require its auth token, which "
+                    f"Ray reads only with RAY_ADDRESS=auto on one of its nodes: use that, set RAY_AUTH_MODE=token "
+                    f"and RAY_AUTH_TOKEN, or submit the job with `ray job submit`") from None
         else:
             local = True
             # A local cluster gets enough logical CPUs for every worker and

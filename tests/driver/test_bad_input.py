@@ -255,6 +255,29 @@ def test_more_feature_shards_than_nodes(ray_cluster, monkeypatch, capsys):
     assert "waiting up to 0 min for the autoscaler to add nodes: --feature-shards 2" in capsys.readouterr().out
 
 
+def test_a_cluster_that_refuses_the_driver_is_a_clear_error(monkeypatch):
+    """RAY_ADDRESS given, and Ray cannot connect (a token-authenticated head, a wrong address): one ClusterError
+    that names the address and what to do, not Ray's traceback. Ray's refusal is stood in for: a second head
+    with its own token would cost this suite another cluster."""
+    import ray
+
+    from gnnray.driver import launch
+
+    def refused(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.1.2.3:6379")
+
+    for name in ("DGLBACKEND", "RAY_TRAIN_ENABLE_STATE_TRACKING", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"):
+        monkeypatch.delenv(name, raising=False)  # init_ray sets them: restored after the test
+    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refused)
+    with pytest.raises(ClusterError) as err:
+        launch.init_ray(parse_args([]))
+    for text in ("RAY_ADDRESS=10.1.2.3:6379", "Failed to connect", "RAY_ADDRESS=auto", "RAY_AUTH_TOKEN",
+                 "ray job submit"):
+        assert text in str(err.value), str(err.value)
+
+
 # ----------------------------------------------------------------------------- drill 9: object store too small
 
 def test_object_store_check_names_sizes_and_setting():
