@@ -124,17 +124,24 @@ class Fanouts:
         # Lists as code, JSON checkpoints and dataclasses.asdict give them: stored as tuples (hashable, comparable).
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "relations", tuple((str(r), tuple(f)) for r, f in self.relations))
-        values = [v for f in [self.layers] + [f for _, f in self.relations] for v in f]
-        if not self.layers or not all(isinstance(v, numbers.Integral) and (v > 0 or v == -1) for v in values):
-            raise ConfigError(f"--fanouts {str(self)!r}: each fanout must be a positive integer (or -1 for all "
-                              f"neighbors)")
-        names = [r for r, _ in self.relations]
-        for r, f in self.relations:
+        problem = self._problem(self.layers, self.relations)
+        if problem:
+            raise ConfigError(f"--fanouts {str(self)!r}: {problem}")
+
+    @staticmethod
+    def _problem(layers: tuple, relations: tuple) -> Optional[str]:
+        """What is wrong with these lists, said after the flag and its text; ``None`` if nothing."""
+        values = [v for f in [layers] + [f for _, f in relations] for v in f]
+        if not layers or not all(isinstance(v, numbers.Integral) and (v > 0 or v == -1) for v in values):
+            return "each fanout must be a positive integer (or -1 for all neighbors)"
+        names = [r for r, _ in relations]
+        for r, f in relations:
             if names.count(r) > 1:
-                raise ConfigError(f"--fanouts {str(self)!r}: relation {r!r} is given twice; give it once")
-            if len(f) != len(self.layers):
-                raise ConfigError(f"--fanouts {str(self)!r}: relation {r!r} has {len(f)} fanouts but the default "
-                                  f"list {_show(self.layers)} has {len(self.layers)} layers; give one per layer")
+                return f"relation {r!r} is given twice; give it once"
+            if len(f) != len(layers):
+                return (f"relation {r!r} has {len(f)} fanouts but the default list {_show(layers)} has "
+                        f"{len(layers)} layers; give one per layer")
+        return None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -152,35 +159,33 @@ class Fanouts:
     @classmethod
     def parse(cls, text: str, flag: str = "--fanouts") -> "Fanouts":
         """``10,10`` or ``10,10;cites=5,5;rev_writes=3,3``; raises :class:`ConfigError` naming ``flag``."""
-        if flag != "--fanouts":
-            try:
-                return cls.parse(text)
-            except ConfigError as e:
-                raise ConfigError(str(e).replace("--fanouts", flag)) from None
-
         def numbers(t: str, what: str) -> tuple:
             try:
                 values = tuple(int(v) for v in t.split(",") if v.strip())
             except ValueError:
                 values = ()
             if not values:
-                raise ConfigError(f"--fanouts {text!r}: {what} {t.strip()!r} is not a list of fanouts; expected "
+                raise ConfigError(f"{flag} {text!r}: {what} {t.strip()!r} is not a list of fanouts; expected "
                                   f"comma-separated integers, one per layer, e.g. 10,10 (or 10,10;cites=5,5 for "
                                   f"a relation's own)")
             return values
 
         first, *rest = text.split(";")
         if "=" in first:
-            raise ConfigError(f"--fanouts {text!r}: the default list comes first, then a relation's own after ';', "
+            raise ConfigError(f"{flag} {text!r}: the default list comes first, then a relation's own after ';', "
                               f"e.g. 10,10;cites=5,5")
         relations = []
         for part in filter(str.strip, rest):
             name, eq, values = part.partition("=")
             if not eq or not name.strip():
-                raise ConfigError(f"--fanouts {text!r}: {part.strip()!r} is not relation=fanouts; write e.g. "
+                raise ConfigError(f"{flag} {text!r}: {part.strip()!r} is not relation=fanouts; write e.g. "
                                   f"10,10;cites=5,5")
             relations.append((name.strip(), numbers(values, f"relation {name.strip()!r}:")))
-        return cls(numbers(first, "the default list"), tuple(relations))
+        layers = numbers(first, "the default list")
+        problem = cls._problem(layers, tuple(relations))
+        if problem:
+            raise ConfigError(f"{flag} {text!r}: {problem}")
+        return cls(layers, tuple(relations))
 
     @classmethod
     def of_value(cls, value: Any) -> "Fanouts":

@@ -229,14 +229,14 @@ def symmetric_relations(graph: Graph) -> Graph:
     return dataclasses.replace(graph, edge_types=tuple(graph.edge_types[i] for i in kept))
 
 
-def fanout_table(fanouts: Union[Fanouts, Sequence[int]], graph: Graph) -> list[list[int]]:
+def fanout_table(fanouts: Union[Fanouts, Sequence[int]], graph: Graph, flag: str = "--fanouts") -> list[list[int]]:
     """Per layer (input layer first), the fanout of each of ``graph``'s relation codes; one fanout if untyped.
 
     A relation without its own list in ``fanouts`` gets the default, so
     ``10,10`` takes up to 10 in-edges of each relation per node, as DGL's
     samplers do on heterographs. Every :class:`~gnnray.pipeline.sampler.Sampler`
     calls it; call it on the driver once the graph is loaded (it imports no
-    torch), so that a bad ``--fanouts`` fails before any worker starts.
+    torch), so that a bad ``--fanouts`` (or ``flag``) fails before any worker starts.
 
     Raises:
         ConfigError: ``fanouts`` names a relation the graph does not have, or
@@ -245,14 +245,14 @@ def fanout_table(fanouts: Union[Fanouts, Sequence[int]], graph: Graph) -> list[l
     fanouts = Fanouts.of_value(fanouts)
     if graph.etype is None:
         if fanouts.relations:
-            raise ConfigError(f"--fanouts {str(fanouts)!r}: {graph.name} has no relations (an untyped graph), so "
+            raise ConfigError(f"{flag} {str(fanouts)!r}: {graph.name} has no relations (an untyped graph), so "
                               f"there is none to give fanouts of its own; give one list, e.g. "
-                              f"--fanouts {','.join(map(str, fanouts.layers))}")
+                              f"{flag} {','.join(map(str, fanouts.layers))}")
         return [[f] for f in fanouts.layers]
     names = [r for _, r, _ in graph.edge_types]
     unknown = [r for r, _ in fanouts.relations if r not in names]
     if unknown:
-        raise ConfigError(f"--fanouts {str(fanouts)!r}: {graph.name} has no relation {unknown[0]!r}; its relations "
+        raise ConfigError(f"{flag} {str(fanouts)!r}: {graph.name} has no relation {unknown[0]!r}; its relations "
                           f"are {', '.join(names) or 'none'}")
     if not names:  # no relation at all: nothing to sample apart
         return [[f] for f in fanouts.layers]

@@ -20,7 +20,7 @@ from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.driver import preflight
-from gnnray.errors import ClusterError, ConfigError
+from gnnray.errors import ClusterError
 
 # gnnray.driver.console is imported where used, once Ray has started: it imports torch (through
 # gnnray.train.report), which a thread imports meanwhile (load_and_publish).
@@ -144,10 +144,8 @@ def _check_fanouts(cfg: JobConfig, graph) -> None:
     from gnnray.data.typed import fanout_table
 
     fanout_table(cfg.sampler.fanouts, graph)
-    try:
-        fanout_table(cfg.sampler.evaluation_fanouts, graph)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("--fanouts", "--eval-fanouts")) from None
+    if cfg.sampler.eval_fanouts is not None:
+        fanout_table(cfg.sampler.eval_fanouts, graph, "--eval-fanouts")
 
 
 def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]] = None) -> Published:

@@ -3,9 +3,10 @@
 Seed rows (:mod:`.seeds`) are mapped by a pool of sampler actors
 (:class:`~gnnray.pipeline.sampler.SamplerActor`) that runs at most
 ``--max-ahead`` batches per worker ahead (:mod:`.read_ahead`); Ray Train
-splits the output equally over the ranks, in order, each rank its own steps. The seed blocks keep
-their size whatever the bound (Ray Data's work per sampler call is spread
-over a block's rows); the bound is then computed from that size.
+splits the output equally over the ranks, in order, each rank its own
+steps. The seed blocks keep their size whatever the bound (Ray Data's work
+per sampler call is spread over a block's rows); the bound is then computed
+from that size.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def read_ahead_rows(cfg: JobConfig, block: int, workers: Optional[int] = None, a
     workers = workers or cfg.train.workers_max
     actors = actors or cfg.sampler.actors_max
     held = 2 * workers * block
-    least = held + (workers + actors) * block
-    total = held + (workers + 3 * actors) * block if cfg.sampler.max_ahead is None else cfg.sampler.max_ahead * workers
+    if cfg.sampler.max_ahead is None:
+        return (workers + 3 * actors) * block
+    least, total = held + (workers + actors) * block, cfg.sampler.max_ahead * workers
     if total < least:
         raise ConfigError(
             f"--max-ahead {cfg.sampler.max_ahead}: with {workers} train worker(s), up to "

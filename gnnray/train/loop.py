@@ -41,9 +41,10 @@ from gnnray.train import checkpoint
 from gnnray.train.embedding import EmbeddingTable, NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator
 from gnnray.train.model import model_for
-from gnnray.train.setup import WorkerSetup
 from gnnray.train.report import (METRICS_LOG, PrivateMemory, Progress, events, log_event, report, report_position,
                                  saved_config)
+from gnnray.train.setup import WorkerSetup
+
 
 @dataclass(frozen=True)
 class StreamStart:
