@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from gnnray.errors import last_line
 
 
@@ -10,14 +12,21 @@ def one_line(e: BaseException) -> str:
 
     A rank whose process died (or whose node was lost) is the root cause;
     the other ranks' errors (collective timeouts, connection resets) follow
-    from it, so it is reported first.
+    from it, so it is reported first. When the only errors that arrived are
+    such consequences (a peer's connection closed before Ray Train's health
+    check saw the dead rank), the lost node is named from the attempt's record.
     """
     failures = getattr(e, "worker_failures", None)
-    if failures:
-        ranked = sorted(failures.items(), key=lambda kv: (not node_of(kv[1]), kv[0]))
-        rank, err = ranked[0]
-        return f"rank {rank}{node_of(err)}: {last_line(err)}"
-    return last_line(e)
+    if not failures:
+        return last_line(e)
+    nodes = {rank: node_of(err) for rank, err in failures.items()}
+    rank = min(failures, key=lambda r: (not nodes[r], r))
+    line = f"rank {rank}{nodes[rank]}: {last_line(failures[rank])}"
+    if not nodes[rank]:
+        line += "".join(f"; node {ip} ({node_id[:8]}) of rank{'s' if len(ranks) > 1 else ''} "
+                        f"{', '.join(map(str, ranks))} is lost or unreachable"
+                        for node_id, ip, ranks in lost_worker_nodes())
+    return line
 
 
 def node_of(err: BaseException) -> str:
@@ -41,3 +50,47 @@ def node_of(err: BaseException) -> str:
     except Exception:  # best effort (the state API needs the dashboard): the message stays useful without it
         return ""
     return f" on node {ip} ({node_id[:8]})"
+
+
+def lost_worker_nodes() -> list[tuple[str, str, list[int]]]:
+    """``(node_id, ip, ranks)`` for each node of this job's latest Ray Train attempt that is dead or unreachable.
+
+    The attempt's workers come from Ray Train's state actor (the record the
+    dashboard's Train view shows). Ray marks a node dead only after several
+    missed health checks, so a node that Ray still lists as alive counts as
+    lost when its raylet refuses or does not answer a connection.
+    """
+    import ray
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    try:
+        state = get_state_actor()
+        if state is None:  # state tracking off: nothing recorded
+            return []
+        runs, attempts = ray.get([state.get_train_runs.remote(), state.get_train_run_attempts.remote()], timeout=10)
+        job = ray.get_runtime_context().get_job_id()
+        latest = max((a for run_id, by_id in attempts.items() if run_id in runs and runs[run_id].job_id == job
+                      for a in by_id.values()), key=lambda a: a.start_time_ns, default=None)
+        if latest is None:
+            return []
+        known = {n["NodeID"]: n for n in ray.nodes()}
+    except Exception:  # best effort, as node_of
+        return []
+    ranks: dict[str, list[int]] = {}
+    for w in latest.workers:
+        ranks.setdefault(w.node_id, []).append(w.world_rank)
+    lost = []
+    for node_id, node_ranks in ranks.items():
+        node = known.get(node_id)
+        if node is None or not node.get("Alive") or not _answers(node["NodeManagerAddress"], node["NodeManagerPort"]):
+            lost.append((node_id, node["NodeManagerAddress"] if node else "?", sorted(node_ranks)))
+    return lost
+
+
+def _answers(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether a raylet accepts a TCP connection: refused at once when its process is gone, silent when its host is."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -123,6 +123,10 @@ def test_node_lost_mid_run(cluster, ray_cluster, tmp_path, max_failures):
         assert isinstance(job.error, ray.train.TrainingFailedError), repr(job.error)
         assert f"({setup.node_id[:8]})" in _one_line(job.error), _one_line(job.error)
         assert "OwnerDiedError" not in str(job.error)
+        # The race CI met: only a peer's connection error arrived, before the health check saw the dead rank.
+        peer_only = ray.train.WorkerGroupError("", {1: RuntimeError("Connection closed by peer [127.0.0.1]:4007")})
+        line = _one_line(peer_only)
+        assert line.startswith("rank 1: Connection closed") and f"({setup.node_id[:8]}) of ranks 0, 1 is lost" in line, line
 
 
 class _FailsOnRank1(torch.nn.Module):
@@ -155,6 +159,7 @@ def test_exception_on_one_rank_ends_the_run(ray_cluster, tmp_path):
     assert isinstance(job.error, ray.train.TrainingFailedError), repr(job.error)
     line = _one_line(job.error)
     assert line.startswith("rank 1") and "drill 11: a user error on rank 1" in line, line
+    assert "lost" not in line, line  # every node is alive: none is named
     assert not logged(tmp_path, "d11")
 
 
