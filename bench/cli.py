@@ -39,8 +39,8 @@ def parse_args(argv=None):
                    help=f"graph directory, or 'synthetic' (when not given: {DEFAULT_DATASET} if present, else "
                    "synthetic)")
     p.add_argument("--cores", type=int, default=None,
-                   help="cores both sides of figure 3 use: the DGL loop's threads, the train workers' CPUs (when "
-                   "not given: all)")
+                   help="cores both sides of figure 3 and the whole runs use: the DGL loop's threads, the train "
+                   "workers' CPUs, and their --trainer-threads when fewer than the node's cores (when not given: all)")
     p.add_argument("--workers", type=int, default=1, help="Ray Train workers for figures 1 and 3")
     p.add_argument("--max-ahead", type=int, default=SamplerConfig().max_ahead,
                    help="the job's --max-ahead in every run: mini-batches the sampler pool may run ahead of each "

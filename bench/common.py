@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from gnnray.config import DataConfig, JobConfig, ModelConfig, RunConfig, SamplerConfig, TrainConfig
+from gnnray.cpus import node_cores
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "arxiv-structure"
@@ -83,9 +84,10 @@ def job_config(data: DataConfig, s: Settings, workdir: Path, name: str = "bench"
                               cpus_per_actor=1.0, max_ahead=s.max_ahead),
         model=ModelConfig(hidden=s.hidden, dropout=s.dropout),
         # Sampled final accuracies, as the DGL loop computes them: no layer-wise inference pass after training.
-        # Threads come from the job's CPU plan (gnnray/cpus.py), as in a user's run with default options.
+        # Threads come from the job's CPU plan (gnnray/cpus.py), as in a user's run with default options,
+        # unless --cores gives the comparison fewer cores than the node has: then the trainers get them too.
         train=TrainConfig(epochs=s.epochs, lr=s.lr, num_workers=s.workers, use_gpu=torch.cuda.is_available(),
-                          eval="sampled"),
+                          eval="sampled", trainer_threads=s.trainer_cpus if s.cores < node_cores() else 0),
         run=RunConfig(name=name, storage_path=str(workdir / "runs"), max_failures=0, seed=s.seed),
     )
 
