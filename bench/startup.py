@@ -35,9 +35,9 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import secrets
 import os
 import re
+import secrets
 import statistics
 import subprocess
 import sys

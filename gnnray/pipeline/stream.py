@@ -89,9 +89,9 @@ def read_ahead_rows(cfg: JobConfig, block: int, workers: Optional[int] = None, a
     """
     workers = workers or cfg.train.workers_max
     actors = actors or cfg.sampler.actors_max
-    held = 2 * workers * block
     if cfg.sampler.max_ahead is None:
         return (workers + 3 * actors) * block
+    held = 2 * workers * block
     least, total = held + (workers + actors) * block, cfg.sampler.max_ahead * workers
     if total < least:
         raise ConfigError(
