@@ -49,6 +49,7 @@ class DglLoop:
         import torch
 
         from gnnray.data.store import readonly_tensor, to_dgl
+        from bench.dgl_models import DGLModel
         from gnnray.train.model import model_for
 
         self._graph, self._cfg, self._workers, self._affinity = graph, cfg, loader_workers, affinity
@@ -59,7 +60,8 @@ class DglLoop:
                                              indices=graph.indices.astype(np.int64)))
         self._feat, self._label = readonly_tensor(graph.feat), readonly_tensor(graph.label)
         torch.manual_seed(cfg.run.seed)
-        self._model = model_for(graph.feat_dim, graph.num_classes, cfg).to(self.device)
+        # The tutorial's loop runs DGL's own modules on DGL's blocks (ours take Layers; same sizes and weights).
+        self._model = DGLModel(model_for(graph.feat_dim, graph.num_classes, cfg)).to(self.device)
         self._opt = torch.optim.Adam(self._model.parameters(), lr=cfg.train.lr)
         self._train = self._loader(graph.train_idx, cfg.sampler.batch_size, shuffle=True)
 

@@ -13,8 +13,9 @@ step  file                        runs on                 output
 4     ``pipeline/sampler.py``     sampler actors          packed ``MiniBatch`` rows (``pipeline/batch.py``)
 5     ``pipeline/prefetch.py``    train worker thread     ``MiniBatch`` with features, on the device
       ``pipeline/features.py``    train worker thread     its rows: local, cached or fetched from shards
-6     ``train/model.py``          train worker            logits
-7     ``train/loop.py``           train worker            loss, optimizer step; ``train/evaluate.py``,
+6     ``train/model.py``          train worker            logits (``train/conv.py``: message passing in torch)
+7     ``train/step.py``           train worker            loss, optimizer step; ``train/loop.py`` runs it, then
+                                                          ``train/evaluate.py`` and ``train/layerwise.py``,
                                                           then ``train/report.py``: metrics, checkpoint
 ====  ==========================  ======================  =============================================
 
@@ -31,8 +32,9 @@ step  file                        runs on                 output
   evaluation); ``launch.py`` (init Ray, load, publish; shared with
   ``predict.py``), ``preflight.py`` (storage and cluster checks),
   ``console.py`` (what a run prints), ``failures.py`` (one-line failure text).
-- ``inference/layerwise.py``: exact layer-wise prediction after training and in
-  ``jobs/predict.py`` (driver, Ray Data actors).
-- Shared by all: ``config.py``, ``errors.py`` (user-facing exceptions),
+- ``train/layerwise.py``: exact layer-wise inference on the train workers after
+  the last epoch; ``inference/layerwise.py`` runs the same code in one Ray task
+  for ``jobs/predict.py``.
+- Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
   ``metrics.py`` (Prometheus metrics of workers and sampler actors).
 """

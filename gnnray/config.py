@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import numbers
 import os
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence
 
 from gnnray.errors import ConfigError
+from gnnray.fanouts import Fanouts, int_list
 
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".gnnray", "data")
 DEFAULT_STORAGE_PATH = os.path.join(os.path.expanduser("~"), ".gnnray", "runs")
@@ -104,95 +104,6 @@ class DataConfig(_Options):
     synthetic_classes: int = option(8, "classes of the synthetic graph", **at_least(2))
     synthetic_feat_dim: int = option(64, "feature size of the synthetic graph", **at_least(1))
     synthetic_avg_degree: int = option(10, "average in-degree of the synthetic graph", **at_least(1))
-
-
-@dataclass(frozen=True)
-class Fanouts:
-    """``--fanouts``: neighbors sampled per layer (input layer first), and per relation on typed graphs.
-
-    ``layers`` is the default list; on a typed graph every relation gets that
-    many per layer (as DGL's samplers do on heterographs) unless ``relations``
-    gives it its own list, as ``(relation, fanouts)`` pairs. ``len`` and
-    iteration give ``layers``, so it serves where a tuple of fanouts was
-    expected. Its text: ``10,10;cites=5,5;rev_writes=3,3``.
-    """
-
-    layers: tuple[int, ...] = (10, 10, 10)
-    relations: tuple[tuple[str, tuple[int, ...]], ...] = ()
-
-    def __post_init__(self):
-        # Lists as code, JSON checkpoints and dataclasses.asdict give them: stored as tuples (hashable, comparable).
-        object.__setattr__(self, "layers", tuple(self.layers))
-        object.__setattr__(self, "relations", tuple((str(r), tuple(f)) for r, f in self.relations))
-        problem = self._problem(self.layers, self.relations)
-        if problem:
-            raise ConfigError(f"--fanouts {str(self)!r}: {problem}")
-
-    @staticmethod
-    def _problem(layers: tuple, relations: tuple) -> Optional[str]:
-        """What is wrong with these lists, said after the flag and its text; ``None`` if nothing."""
-        values = [v for f in [layers] + [f for _, f in relations] for v in f]
-        if not layers or not all(isinstance(v, numbers.Integral) and (v > 0 or v == -1) for v in values):
-            return "each fanout must be a positive integer (or -1 for all neighbors)"
-        names = [r for r, _ in relations]
-        for r, f in relations:
-            if names.count(r) > 1:
-                return f"relation {r!r} is given twice; give it once"
-            if len(f) != len(layers):
-                return (f"relation {r!r} has {len(f)} fanouts but the default list {_show(layers)} has "
-                        f"{len(layers)} layers; give one per layer")
-        return None
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __iter__(self):
-        return iter(self.layers)
-
-    def __str__(self) -> str:
-        return ";".join([_show(self.layers)] + [f"{r}={_show(f)}" for r, f in self.relations])
-
-    def of(self, relation: str) -> tuple[int, ...]:
-        """``relation``'s fanouts, input layer first: its own list, else the default."""
-        return dict(self.relations).get(relation, self.layers)
-
-    @classmethod
-    def parse(cls, text: str, flag: str = "--fanouts") -> "Fanouts":
-        """``10,10`` or ``10,10;cites=5,5;rev_writes=3,3``; raises :class:`ConfigError` naming ``flag``."""
-        def numbers(t: str, what: str) -> tuple:
-            try:
-                values = tuple(int(v) for v in t.split(",") if v.strip())
-            except ValueError:
-                values = ()
-            if not values:
-                raise ConfigError(f"{flag} {text!r}: {what} {t.strip()!r} is not a list of fanouts; expected "
-                                  f"comma-separated integers, one per layer, e.g. 10,10 (or 10,10;cites=5,5 for "
-                                  f"a relation's own)")
-            return values
-
-        first, *rest = text.split(";")
-        if "=" in first:
-            raise ConfigError(f"{flag} {text!r}: the default list comes first, then a relation's own after ';', "
-                              f"e.g. 10,10;cites=5,5")
-        relations = []
-        for part in filter(str.strip, rest):
-            name, eq, values = part.partition("=")
-            if not eq or not name.strip():
-                raise ConfigError(f"{flag} {text!r}: {part.strip()!r} is not relation=fanouts; write e.g. "
-                                  f"10,10;cites=5,5")
-            relations.append((name.strip(), numbers(values, f"relation {name.strip()!r}:")))
-        layers = numbers(first, "the default list")
-        problem = cls._problem(layers, tuple(relations))
-        if problem:
-            raise ConfigError(f"{flag} {text!r}: {problem}")
-        return cls(layers, tuple(relations))
-
-    @classmethod
-    def of_value(cls, value: Any) -> "Fanouts":
-        """A :class:`Fanouts` from itself, a list of ints (code, older checkpoints) or ``dataclasses.asdict``'s dict."""
-        if isinstance(value, Fanouts):
-            return value
-        return cls(**value) if isinstance(value, dict) else cls(tuple(value))
 
 
 @dataclass(frozen=True)
@@ -278,8 +189,8 @@ class TrainConfig(_Options):
     cpus_per_worker: float = option(1.0, "CPUs per train worker", **POSITIVE)
     prefetch: int = option(2, "mini-batches each worker prepares ahead of the current step", **at_least(1))
     eval_batch_size: int = option(4096, "seeds per evaluation mini-batch", **at_least(1))
-    eval: str = option("layerwise", "final accuracies: layerwise (exact, all neighbors, a Ray Data job after "
-                       "training) or sampled (with --eval-fanouts, on the train workers); per-epoch validation is "
+    eval: str = option("layerwise", "final accuracies: layerwise (exact, all neighbors, on the train workers "
+                       "after the last epoch) or sampled (with --eval-fanouts, on the train workers); per-epoch validation is "
                        "sampled either way", choices=("layerwise", "sampled"))
     inference_batch_size: int = option(10_000, "nodes per chunk of layer-wise inference", **at_least(1))
     embedding_lr: Optional[float] = option(None, "SparseAdam learning rate of --embedding-dim embeddings "
@@ -368,13 +279,7 @@ def _parser_of(kind: Any, flag: str) -> Callable[[str], Any]:
     if kind in (Fanouts, Optional[Fanouts]):
         return lambda t: None if kind != Fanouts and t.strip().lower() == "auto" else Fanouts.parse(t, flag)
     if kind == tuple[int, ...]:
-        def int_list(t: str) -> tuple:
-            try:
-                values = tuple(int(v) for v in t.split(",") if v.strip())
-            except ValueError:
-                values = ()
-            return values or fail(t, "comma-separated integers, e.g. 10,10,10")
-        return int_list
+        return lambda t: int_list(t) or fail(t, "comma-separated integers, e.g. 10,10,10")
     base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
     if base in (int, float):
         def number(t: str):

@@ -8,7 +8,7 @@ machine has. So the job decides for itself, from the node's real cores:
 
 - **Train workers** compute on the node's cores divided between the workers
   on it, less one core per sampler actor when the node has cores to spare
-  for them (``split``); otherwise they share every core (``share``). Each
+  for them (``split``); otherwise they share every core (``shared``). Each
   worker is pinned to its own cores when the node has at least one core per
   worker, so its OpenMP threads are not moved or crowded by its neighbours
   (DGL's and PyG's ``enable_cpu_affinity`` do the same for their loops). A
@@ -22,11 +22,29 @@ machine has. So the job decides for itself, from the node's real cores:
   and DGL's own copy) read it when they load, so it travels in the job's
   runtime environment (:func:`job_env`) rather than being set in code.
 
+In a container the node is what the container may use: the CPU ids of its
+cpuset and the CPU time of its CFS quota (a Kubernetes CPU limit, ``docker
+--cpus``), both read from the cgroup (:func:`node_cpus`). Workers are pinned
+only within the cpuset, and only when the quota does not cut it down: with a
+quota below the set (every host core allowed, a fraction of their time),
+the cores are shared with other containers, so the workers are not pinned
+and their threads come from the quota.
+
+Where the plan is made: in each train worker, for its own node
+(:meth:`CpuPolicy.apply_trainer`); the driver's line only shows its node.
+A process's own affinity mask is not the node's: Ray resets the mask of the
+processes it starts (a ``taskset`` on the driver does not reach them), and a
+worker that pinned itself sees only its own cores. The cgroup's cpuset is
+the same for every process of the container and none of them can widen it,
+so the plan reads the set from there and falls back to the process's mask
+only where no cpuset file can be read.
+
 docs/performance.md has each part measured on and off.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -37,19 +55,112 @@ JOB_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 SAMPLER_NICE = 4  # added to Ray's nice 15: below the train workers, above nothing else of the job
 _MIN_CPU_TRAINER_THREADS = 2  # a CPU train worker keeps at least this many cores before samplers get their own
 _GPU_TRAINER_THREADS = 2  # the step runs on the device; the host needs the loop and the prefetch thread
+CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2, or v1's controllers (cpu/, cpuset/), are mounted
+
+
+@dataclass(frozen=True)
+class NodeCpus:
+    """What the node's processes may use.
+
+    Attributes:
+        ids: The CPU ids they may run on (the container's cpuset, or the
+            process's affinity where no cpuset can be read).
+        quota: CPUs' worth of time per period from the CFS quota; 0 when none is set.
+    """
+
+    ids: tuple[int, ...]
+    quota: float = 0.0
+
+    @property
+    def cores(self) -> int:
+        """Cores' worth to plan for: the ids, cut down to the quota (rounded down: threads beyond the
+        quota would have the kernel throttle the whole container for the rest of each period)."""
+        return min(len(self.ids), max(1, math.floor(self.quota))) if self.quota else len(self.ids)
+
+    @property
+    def pinnable(self) -> bool:
+        """Whether the ids are the container's own: a quota below them shares them with other containers."""
+        return self.cores == len(self.ids)
+
+
+def node_cpus(root: str = CGROUP_ROOT, proc: str = "/proc/self") -> NodeCpus:
+    """This node's CPUs as its containers see them: the cgroup's cpuset and the smallest CPU quota from the
+    process's cgroup up to the root (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``).
+
+    ``root`` is where the cgroup filesystems are mounted and ``proc`` the process's ``/proc`` entry (tests
+    pass fakes of both)."""
+    groups = _cgroups(proc)
+    ids = None
+    if "cpuset" in groups:  # v1
+        ids = _first(root, "cpuset", groups["cpuset"], ("cpuset.effective_cpus", "cpuset.cpus"))
+    elif "" in groups:  # v2
+        ids = _first(root, "", groups[""], ("cpuset.cpus.effective",))
+    cpus = tuple(_cpu_list(ids)) if ids else tuple(sorted(os.sched_getaffinity(0)))
+    quotas = []
+    if "cpu" in groups:  # v1
+        for d in _up(root, "cpu", groups["cpu"]):
+            quota, period = _read(d, "cpu.cfs_quota_us"), _read(d, "cpu.cfs_period_us")
+            if quota and period and int(quota) > 0:
+                quotas.append(int(quota) / int(period))
+    elif "" in groups:  # v2
+        for d in _up(root, "", groups[""]):
+            limit = (_read(d, "cpu.max") or "max").split()
+            if limit[0] != "max":
+                quotas.append(int(limit[0]) / int(limit[1]))
+    return NodeCpus(cpus, min(quotas, default=0.0))
 
 
 def node_cores() -> int:
-    """The cores this process may use: its affinity, capped by its cgroup's CPU quota (containers)."""
-    cores = len(os.sched_getaffinity(0))
+    """Cores' worth this node's processes may use (:attr:`NodeCpus.cores`)."""
+    return node_cpus().cores
+
+
+def _cgroups(proc: str) -> dict:
+    """The process's cgroup per controller (``""``: the v2 hierarchy), from ``/proc/<pid>/cgroup``."""
+    groups = {}
+    for line in (_read(proc, "cgroup") or "").splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else [""]:
+            groups[name] = path
+    return groups
+
+
+def _up(root: str, controller: str, path: str) -> list:
+    """The process's cgroup directory and each above it that exists under the mount. Inside a container
+    the mount is the container's own cgroup, so a host path missing under it leads to the mount's top."""
+    base = os.path.join(root, controller) if controller else root
+    if controller and not os.path.isdir(base):  # v1 mounted as cpu,cpuacct
+        base = next((os.path.join(root, n) for n in sorted(os.listdir(root)) if controller in n.split(",")), base)
+    parts = [p for p in path.split("/") if p]
+    dirs = [os.path.join(base, *parts[:i]) for i in range(len(parts), -1, -1)]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def _first(root: str, controller: str, path: str, names: tuple) -> Optional[str]:
+    """The nearest non-empty value of the first of ``names`` from the process's cgroup upwards."""
+    for d in _up(root, controller, path):
+        for name in names:
+            value = _read(d, name)
+            if value:
+                return value
+    return None
+
+
+def _read(directory: str, name: str) -> Optional[str]:
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
+        with open(os.path.join(directory, name)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cpu_list(text: str) -> list:
+    """CPU ids from the kernel's list format, ``0-3,8,10-11``."""
+    ids = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        ids.extend(range(int(lo), int(hi or lo) + 1))
+    return ids
 
 
 @dataclass(frozen=True)
@@ -57,18 +168,22 @@ class CpuPlan:
     """The plan for one node.
 
     Attributes:
-        cores: The node's real cores (:func:`node_cores`).
+        node: The node's CPUs (:func:`node_cpus`).
         trainers: Train workers on the node.
         samplers: Sampler actors expected on the node.
         gpu: Whether the train workers compute on GPUs.
         threads: Threads per train worker; 0 derives them from the cores.
     """
 
-    cores: int
+    node: NodeCpus
     trainers: int
     samplers: int
     gpu: bool = False
     threads: int = 0
+
+    @property
+    def cores(self) -> int:
+        return self.node.cores
 
     @property
     def split(self) -> bool:
@@ -84,19 +199,27 @@ class CpuPlan:
         return min(per, _GPU_TRAINER_THREADS) if self.gpu else per
 
     def trainer_cores(self, local_rank: int) -> Optional[tuple[int, ...]]:
-        """The cores train worker ``local_rank`` is pinned to, or ``None`` (any) when the workers outnumber them."""
+        """The CPU ids train worker ``local_rank`` is pinned to, from the node's own; ``None`` (any) when the
+        workers outnumber the cores or a quota shares the cores with other containers."""
         t = self.trainer_threads()
-        if self.trainers * t > self.cores:
+        if not self.node.pinnable or self.trainers * t > self.cores:
             return None
-        return tuple(range(local_rank * t, (local_rank + 1) * t))
+        return self.node.ids[local_rank * t:(local_rank + 1) * t]
 
     def line(self) -> str:
         """The plan in one line, as the driver prints it."""
         cores = self.trainer_cores(0)
-        where = f"cores {cores[0]}-{cores[-1]} for the first" if cores else "any core"
-        return (f"cpu plan: {self.cores} cores, {'split' if self.split else 'shared'}: {self.trainers} train "
-                f"worker(s) x {self.trainer_threads()} threads ({where}), sampler actors at nice +{SAMPLER_NICE}; "
-                f"OpenMP waits passively (--cpu-plan off: Ray's defaults)")
+        where = f"cores {_ranges(cores)} for the first" if cores else "not pinned"
+        quota = f" (quota {self.node.quota:g} of {len(self.node.ids)})" if self.node.quota else ""
+        return (f"cpu plan: {self.cores} cores{quota}, {'split' if self.split else 'shared'}: {self.trainers} "
+                f"train worker(s) x {self.trainer_threads()} threads ({where}), sampler actors at nice "
+                f"+{SAMPLER_NICE}; OpenMP waits passively (--cpu-plan off: Ray's defaults)")
+
+
+def _ranges(ids: tuple) -> str:
+    """CPU ids in the kernel's list format: ``(8, 9, 10, 12)`` -> ``8-10,12``."""
+    runs = [[i for _, i in run] for _, run in itertools.groupby(enumerate(ids), lambda p: p[1] - p[0])]
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 @dataclass(frozen=True)
@@ -117,7 +240,7 @@ class CpuPolicy:
     threads: int = 0
 
     def plan(self, trainers: int) -> CpuPlan:
-        return CpuPlan(node_cores(), trainers, self.samplers_per_node, self.gpu, self.threads)
+        return CpuPlan(node_cpus(), trainers, self.samplers_per_node, self.gpu, self.threads)
 
     def apply_trainer(self, local_rank: int, local_world: int) -> dict:
         """In a train worker, before its first parallel region: threads and cores; what it now uses."""
@@ -125,8 +248,11 @@ class CpuPolicy:
             plan = self.plan(local_world)
             cores = plan.trainer_cores(local_rank)
             if cores:
-                os.sched_setaffinity(0, cores)
-            set_threads(plan.trainer_threads())
+                try:
+                    os.sched_setaffinity(0, cores)
+                except OSError:  # the cpuset changed since it was read: unpinned, as readback() then records
+                    pass
+            set_threads(plan.trainer_threads(), dgl=False)
         return readback()
 
     def apply_sampler(self, threads: int) -> dict:
@@ -137,21 +263,29 @@ class CpuPolicy:
         return readback()
 
 
-def set_threads(n: int) -> None:
-    """Set torch's and DGL's thread pools (two separate OpenMP runtimes) to ``n`` threads."""
-    import dgl.utils
+def set_threads(n: int, dgl: bool = True) -> None:
+    """Set torch's and, with ``dgl`` (sampler actors), DGL's thread pools (two OpenMP runtimes) to ``n`` threads.
+
+    Train workers import no DGL: their models are plain torch.
+    """
     import torch
 
     torch.set_num_threads(n)
-    dgl.utils.set_num_threads(n)
+    if dgl:
+        import dgl.utils
+
+        dgl.utils.set_num_threads(n)
 
 
 def readback() -> dict:
     """What this process uses now: its threads per pool, cores, niceness and OpenMP wait policy."""
-    import dgl.utils
+    import sys
+
     import torch
 
-    return dict(torch_threads=torch.get_num_threads(), dgl_threads=dgl.utils.get_num_threads(),
+    dgl = sys.modules.get("dgl")  # read, never imported here: train workers do without DGL
+    return dict(torch_threads=torch.get_num_threads(),
+                dgl_threads=dgl.utils.get_num_threads() if dgl is not None else None,
                 cores=sorted(os.sched_getaffinity(0)), nice=os.getpriority(os.PRIO_PROCESS, 0),
                 omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+
 def quiet_console(logger: str, verbose: bool, drop: str = "") -> None:
     """Raise the console handlers of ``logger`` to WARNING unless ``verbose``; file handlers keep every record.
 
@@ -26,3 +27,9 @@ class _Drop(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return self.drops not in record.getMessage()
 
+
+def drop_records(logger: str, text: str) -> None:
+    """Drop the records of ``logger`` whose message contains ``text`` (a filter on the logger, added once)."""
+    log = logging.getLogger(logger)
+    if not any(getattr(f, "drops", None) == text for f in log.filters):
+        log.addFilter(_Drop(text))

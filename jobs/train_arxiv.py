@@ -1,7 +1,9 @@
 """Train GNN node classification on a Ray cluster.
 
 Local:           python jobs/train_arxiv.py --dataset synthetic --epochs 3
+                 (each run starts its own Ray cluster, so several can run at once on one machine)
 On a cluster:    ray job submit --working-dir . -- python jobs/train_arxiv.py
+                 (or RAY_ADDRESS=HOST:PORT python jobs/train_arxiv.py)
 ``--help`` lists every option.
 """
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import shared_dataset
 from gnnray.config import parse_args
-from gnnray.cpus import CpuPlan, node_cores, samplers_per_node
+from gnnray.cpus import CpuPlan, node_cpus, samplers_per_node
 from gnnray.driver.cli import main
 from gnnray.driver.fit import run
 from gnnray.train.report import METRICS_LOG
@@ -44,7 +44,7 @@ def test_cora_reaches_published_accuracy(ray_cluster, tmp_path):
     assert sum(m["seeds_per_s"] * m["epoch_time"] for m in logged) == pytest.approx(20 * 140, rel=1e-6)
     assert summary.best_val_acc == max(m["val_acc"] for m in logged)
     # The CPU plan, on by default, as rank 0 applied it (2 workers on this one node) and recorded it.
-    plan = CpuPlan(node_cores(), 2, samplers_per_node(2, 1))
+    plan = CpuPlan(node_cpus(), 2, samplers_per_node(2, 1))
     assert {m["cpu_threads"] for m in logged} == {plan.trainer_threads()}
     assert logged[0]["cpu_cores"] == list(plan.trainer_cores(0) or range(os.cpu_count()))
 
@@ -130,6 +130,12 @@ def test_job_script_end_to_end(ray_cluster, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
+    # The console holds the run's own lines only: its cluster, graph, CPU plan, one per epoch, the summary.
+    # Ray's (constructor-argument E-lines, Ray Data's progress and finish lines) stay in the session's logs.
+    assert [l.split()[0] for l in lines[:-1]] == ["ray:", "graph", "cpu", "epoch=0", "epoch=1"], lines
+    assert lines[-1].startswith("best_val_acc="), lines
+    assert out.stderr == "", out.stderr[-3000:]
+    assert lines[0].startswith(f"ray: cluster {env['RAY_ADDRESS']}, "), lines[0]
     assert any(l.startswith("epoch=1 ") and "data_wait=" in l and "seeds_per_s=" in l for l in lines)
     summary = [l for l in lines if l.startswith("best_val_acc=")]
     assert len(summary) == 1, lines

@@ -1,25 +1,31 @@
 """The in-edge CSC, built once from an edge list, with reverse edges and self loops if asked.
 
 :func:`build_csc` is the one builder every reader's edge list goes through.
-Reverse edges are added by :func:`bidirected_csc` straight into the CSC, in
-chunks, so a billion-edge graph is not copied several times on the way.
-The builders work in int64; :func:`compact_csc`, applied once to the finished
-CSC (:meth:`~gnnray.data.graph.GraphParts.build`), stores each array as int32
-where its values fit (node ids in ``indices``, offsets in ``indptr``), which
-halves the structure's bytes; GraphBolt samples from it without a copy.
+Untyped graphs are built with torch's sort and unique, on all the process's
+threads (numpy's are single-threaded); reverse edges are added by
+:func:`bidirected_csc` a range of destination nodes at a time, so a
+billion-edge graph is never held as a sorted copy of its doubled edge list.
+Both return the structure in :func:`structure_dtypes` (int32 where it fits),
+written so from the start. Typed graphs (:func:`typed_csc`) are built in
+numpy chunks.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 
 # Edges per step of the chunked build: bounds its temporaries (int64).
 CHUNK_EDGES = 1 << 23
+# The reverse-edge build takes its keys in ranges of at least this many edges, and at most 8 ranges: each
+# range is one pass over the edge list; its temporaries are ~32 bytes per key (4 per edge at E/8 a range).
+RANGE_EDGES = 1 << 25
 
 
 def build_csc(src: np.ndarray, dst: np.ndarray, num_nodes: int, reverse: bool,
               self_loops: bool) -> tuple[np.ndarray, np.ndarray]:
-    """In-edge CSC ``(indptr, indices)`` of the edges ``src -> dst``.
+    """In-edge CSC ``(indptr, indices)`` of the edges ``src -> dst``, in :func:`structure_dtypes`.
 
     Args:
         src, dst: Edge endpoints (any integer dtype; may be memory-mapped).
@@ -30,28 +36,51 @@ def build_csc(src: np.ndarray, dst: np.ndarray, num_nodes: int, reverse: bool,
     """
     if reverse:
         return bidirected_csc(src, dst, num_nodes, self_loops)
-    src, dst = src.astype(np.int64, copy=False), dst.astype(np.int64, copy=False)
     if self_loops:
         has_loop = np.zeros(num_nodes, dtype=bool)
         has_loop[src[src == dst]] = True
         loops = np.flatnonzero(~has_loop)
         src, dst = np.concatenate([src, loops]), np.concatenate([dst, loops])
-    return csc_from_edges(src, dst, num_nodes)
+    return _sorted_csc(src, dst, num_nodes, *structure_dtypes(num_nodes, int(src.shape[0])))
 
 
 def csc_from_edges(src: np.ndarray, dst: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Build the in-edge CSC ``(indptr, indices)`` of edges ``src -> dst``.
+    """Build the in-edge CSC ``(indptr, indices)`` of edges ``src -> dst``, both int64.
 
     Edges of a node keep their input order (stable sort), so the result is
     deterministic.
     """
-    order = np.argsort(dst, kind="stable")
-    indices = np.ascontiguousarray(src[order], dtype=np.int64)
-    counts = np.bincount(dst, minlength=num_nodes)
-    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
-    np.cumsum(counts, out=indptr[1:])
-    return indptr, indices
+    return _sorted_csc(src, dst, num_nodes, np.dtype(np.int64), np.dtype(np.int64))
 
+
+def _sorted_csc(src, dst, n: int, ptr_dtype: np.dtype, idx_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`csc_from_edges` with torch's stable sort, the result in the given dtypes."""
+    import torch
+
+    d = _tensor(dst).to(torch.int64)
+    order = torch.sort(d, stable=True)[1]
+    counts = torch.bincount(d, minlength=n)
+    del d
+    indices = _tensor(src).to(torch.int64)[order].to(_torch_dtype(idx_dtype))
+    del order
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    return indptr.numpy().astype(ptr_dtype, copy=False), indices.numpy()
+
+
+def _tensor(a: np.ndarray):
+    """``a`` as a tensor, without a copy where torch can share its memory; it is only read."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.as_tensor(np.asarray(a))
+
+
+def _torch_dtype(dtype: np.dtype):
+    import torch
+
+    return {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64}[np.dtype(dtype)]
 
 
 def _scatter(indices: np.ndarray, free: np.ndarray, s: np.ndarray, d: np.ndarray,
@@ -157,49 +186,71 @@ def etype_dtype(num_relations: int) -> np.dtype:
 
 
 def bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
-                    chunk: int = CHUNK_EDGES) -> tuple[np.ndarray, np.ndarray]:
-    """In-edge CSC of the edges ``src -> dst`` and ``dst -> src``, duplicates dropped, built in chunks.
+                   chunk: int = CHUNK_EDGES, range_edges: int = RANGE_EDGES) -> tuple[np.ndarray, np.ndarray]:
+    """In-edge CSC of the edges ``src -> dst`` and ``dst -> src``, duplicates dropped, in :func:`structure_dtypes`.
 
     Each node's in-neighbors come sorted by id, plus a self loop for every
-    node if ``self_loops``, without a copy of the doubled edge list: peak memory is the output (``indices`` for both
-    directions, before duplicates are dropped), two ``n + 1`` counters and
-    ``chunk``-sized temporaries. ``src`` and ``dst`` may be memory-mapped.
+    node if ``self_loops``. Destination nodes are taken in ranges of about
+    ``max(range_edges, E / 8)`` in-edges (``E`` both directions): for each,
+    the keys ``dst * n + src`` of its edges are gathered from the edge list
+    (``chunk`` edges at a time) and ``torch.unique`` sorts them and drops
+    duplicates. Peak memory is ``indices`` sized for all ``E`` edges
+    (int32 below 2**31 nodes; the pages of dropped duplicates are never
+    touched), two ``n + 1`` counters and one range's int64 keys with
+    ``torch.unique``'s buffers (about 4 times the keys). ``src`` and ``dst``
+    may be memory-mapped.
     """
+    import torch
+
     m = int(src.shape[0])
-    deg = np.full(n, 1 if self_loops else 0, dtype=np.int64)
+    deg = torch.full((n,), 1 if self_loops else 0, dtype=torch.int64)
     for a in range(0, m, chunk):
-        deg += np.bincount(dst[a:a + chunk], minlength=n)
-        deg += np.bincount(src[a:a + chunk], minlength=n)
-    indptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(deg, out=indptr[1:])
+        deg += torch.bincount(_tensor(dst[a:a + chunk]).to(torch.int64), minlength=n)
+        deg += torch.bincount(_tensor(src[a:a + chunk]).to(torch.int64), minlength=n)
+    bound = torch.cumsum(deg, 0)  # in-edges of nodes 0..v, duplicates included
     del deg
-    indices = np.empty(int(indptr[-1]), dtype=np.int64)
-    free = indptr[:-1].copy()  # next unwritten slot of each node's segment
-
-    for a in range(0, m, chunk):
-        s, d = np.asarray(src[a:a + chunk], dtype=np.int64), np.asarray(dst[a:a + chunk], dtype=np.int64)
-        _scatter(indices, free, s, d)
-        _scatter(indices, free, d, s)
-    if self_loops:
-        for a in range(0, n, chunk):
-            loops = np.arange(a, min(a + chunk, n), dtype=np.int64)
-            _scatter(indices, free, loops, loops)
-    del free
-
-    # Sort each node's in-neighbors and drop duplicates, a block of nodes at a
-    # time, compacting in place (the write position never passes the read one).
-    out_ptr = np.zeros(n + 1, dtype=np.int64)
+    total = int(bound[-1]) if n else 0
+    ptr_dtype, idx_dtype = structure_dtypes(n, total)
+    indices = np.empty(total, dtype=idx_dtype)  # pages past the kept edges stay untouched
+    out = torch.from_numpy(indices)
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    step = max(range_edges, -(-total // 8))
+    ends = bound.numpy()
     v = written = 0
     while v < n:
-        w = min(n, max(v + 1, int(np.searchsorted(indptr, indptr[v] + chunk, side="right")) - 1))
-        local_dst = np.repeat(np.arange(w - v, dtype=np.int64), np.diff(indptr[v:w + 1]))
-        key = np.unique(local_dst * n + indices[indptr[v]:indptr[w]])
-        kept_dst, kept_src = np.divmod(key, n)
-        indices[written:written + key.size] = kept_src
-        out_ptr[v + 1:w + 1] = written + np.cumsum(np.bincount(kept_dst, minlength=w - v))
-        written += key.size
+        first = int(ends[v - 1]) if v else 0
+        w = min(n, max(v + 1, int(np.searchsorted(ends, first + step, side="right"))))  # nodes [v, w): ~step edges
+        key = torch.unique(_range_keys(src, dst, n, v, w, int(ends[w - 1]) - first, self_loops, chunk))
+        out[written:written + key.numel()] = key % n
+        indptr[v + 1:w + 1] = written + torch.cumsum(torch.bincount(key // n - v, minlength=w - v), 0)
+        written += key.numel()
+        del key
         v = w
-    # A view keeps the dropped duplicates' memory; worth a copy only when
-    # many were dropped (a graph stored both ways already).
-    return out_ptr, indices[:written].copy() if 2 * written < indices.size else indices[:written]
+    indptr = indptr.numpy().astype(ptr_dtype, copy=False)
+    # Past 2**31 edges before duplicates were dropped, but not after: indptr fits int32 again.
+    indptr = indptr.astype(structure_dtypes(n, written)[0], copy=False)
+    # The view keeps the dropped duplicates' address space, not memory: their pages were never written.
+    return indptr, indices[:written]
 
+
+def _range_keys(src, dst, n: int, v: int, w: int, count: int, self_loops: bool, chunk: int):
+    """The ``count`` int64 keys ``d * n + s`` of the edges ``s -> d`` of both directions with ``v <= d < w``, and loops."""
+    import torch
+
+    key = torch.empty(count, dtype=torch.int64)
+    at = 0
+    whole = v == 0 and w == n  # every edge: no selection
+    for a in range(0, int(src.shape[0]), chunk):
+        s = _tensor(src[a:a + chunk]).to(torch.int64)
+        d = _tensor(dst[a:a + chunk]).to(torch.int64)
+        for x, y in ((d, s), (s, d)):  # x: the destination
+            if not whole:
+                keep = (x >= v) & (x < w)
+                x, y = x[keep], y[keep]
+            torch.add(y, x, alpha=n, out=key[at:at + x.numel()])
+            at += x.numel()
+    if self_loops:
+        torch.mul(torch.arange(v, w, dtype=torch.int64), n + 1, out=key[at:at + w - v])
+        at += w - v
+    assert at == count, (at, count)
+    return key

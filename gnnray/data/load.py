@@ -67,13 +67,7 @@ def load_structure(cfg: DataConfig, seed: int = 0) -> tuple[Graph, FeatureSource
         source = cfg.dataset
         parts = ogb.read_ogb(cfg.dataset, cfg.data_dir)
     else:
-        path = Path(cfg.dataset).expanduser()
-        if not path.is_dir():
-            raise DatasetError(
-                f"unknown dataset {cfg.dataset!r}: no graph directory {path} exists. Use --dataset "
-                f"synthetic, synthetic-hetero, {', '.join([*ogb.REVERSE_DEFAULT, *mag.READERS])}, or the path of a "
-                f"graph directory "
-                f"({graph_dir.HELP})")
+        path = check_dataset(cfg)
         source = str(path)
         parts = graph_dir.read_graph_dir(path, feat_on_nodes=cfg.feature_shards > 1)
 
@@ -101,6 +95,23 @@ def load_structure(cfg: DataConfig, seed: int = 0) -> tuple[Graph, FeatureSource
     validate(graph, source, parts.origins)
     feat.where = parts.origins.get("feat", source)
     return graph, feat
+
+
+def check_dataset(cfg: DataConfig) -> Path:
+    """Raise :class:`DatasetError` at once if ``cfg.dataset`` is no dataset name and no graph directory.
+
+    Returns the directory's path (meaningless for a dataset name). Cheap: the
+    driver calls it before Ray starts beside the loading (:func:`gnnray.driver.fit.run`).
+    """
+    from gnnray.data import graph_dir, mag, ogb
+
+    path = Path(cfg.dataset).expanduser()
+    names = ("synthetic", "synthetic-hetero", *ogb.REVERSE_DEFAULT, *mag.READERS)
+    if cfg.dataset not in names and not path.is_dir():
+        raise DatasetError(
+            f"unknown dataset {cfg.dataset!r}: no graph directory {path} exists. Use --dataset "
+            f"{', '.join(names)}, or the path of a graph directory ({graph_dir.HELP})")
+    return path
 
 
 def _features(parts: GraphParts, cfg: DataConfig, source: str, seed: int) -> FeatureSource:

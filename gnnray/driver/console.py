@@ -35,19 +35,57 @@ def graph_line(graph, feat_dim: Optional[int] = None, feat_bytes: int = 0) -> st
             f"{len(graph.test_idx):,}, {(graph.nbytes + feat_bytes) / 2**20:.1f} MiB")
 
 
-def quiet_ray(verbose: bool) -> None:
-    """Keep Ray Data's INFO records (execution plans, finish lines) out of this process's console.
+def cluster_line(local: bool, gcs_address: str, dashboard_url: str, nodes: int, checked: int) -> str:
+    """The line naming the run's cluster, its dashboard and the versions checked on its nodes."""
+    from gnnray.driver.preflight import PINNED
 
-    Its log file (``ray-data.log`` in the session's logs) keeps them. The
-    DataContext travels with the datasets, so the processes that execute them
-    skip the execution plans too.
+    where = "local cluster" if local else "cluster"
+    versions = ", ".join(f"{k} {v}" for k, v in PINNED.items())
+    return (f"ray: {where} {gcs_address}, {nodes} node{'s' if nodes != 1 else ''} ({versions} on "
+            f"{'every node' if checked == nodes else f'{checked} of them'}), dashboard "
+            + (f"http://{dashboard_url}" if dashboard_url else "off"))
+
+
+# What the driver prints of other processes' logs, yet reads like a failure or is noise, matched in each line;
+# their own log files keep them (``worker-*.err`` in the session's logs).
+RAY_WORKER_NOISE = (
+    # Ray Data puts every actor pool's function into the object store and passes it to its actors as a
+    # constructor argument, with restarts on (ray-project/ray#53727): logged for every pool, whatever it holds.
+    r"has constructor arguments in the object store and max_restarts > 0",
+    # Ray Data's hint on how to turn on the progress bars gnnray turned off on purpose, and its INFO line
+    # at the end of a stream (the split coordinator's console is its .err file).
+    r"Progress bars disabled\. To enable",
+    r"Dataset \S+ execution finished in ",
+    # The raylet's notice to every driver that more worker processes start at once than the node has cores:
+    # gnnray starts its train workers and sampler actors together on purpose.
+    r"PYTHON worker processes have been started on node",
+)
+
+
+def quiet_ray(verbose: bool) -> None:
+    """Keep Ray's INFO records and its noise out of this process's console, unless ``verbose``.
+
+    Ray Data's records here go to its log file (``ray-data.log`` in the
+    session's logs). The DataContext travels with the datasets, so the
+    processes that execute them skip the execution plans too. Lines of
+    :data:`RAY_WORKER_NOISE` in other processes' logs are not printed here
+    (Ray's log deduplicator skips them; with ``RAY_DEDUP_LOGS=0`` they show).
     """
+    import re
+
     import ray.data
+    from ray._private import ray_logging  # the one object that prints other processes' lines here
 
     # Dropped too: its hint on how to turn on the progress bars gnnray turned off on purpose.
     quiet_console("ray.data", verbose, drop="Progress bars disabled")
     ray.data.DataContext.get_current().print_on_execution_start = verbose
-
+    if verbose:
+        return
+    noise = "|".join(RAY_WORKER_NOISE)
+    for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+        user = dedup.skip_re.pattern if dedup.skip_re else ""  # the user's RAY_DEDUP_LOGS_SKIP_REGEX
+        if noise not in user:
+            dedup.skip_re = re.compile(f"{user}|{noise}" if user else noise)
 
 
 def epoch_line(m: dict, eta_s: Optional[float] = None, workers: bool = False) -> str:

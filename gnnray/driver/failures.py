@@ -45,7 +45,8 @@ def node_of(err: BaseException) -> str:
     if not actor_id:
         return ""
     try:
-        node_id = get_actor(actor_id, timeout=10).node_id
+        # The address named: among several clusters on this machine the state API would find the newest.
+        node_id = get_actor(actor_id, address=ray.get_runtime_context().gcs_address, timeout=10).node_id
         ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
     except Exception:  # best effort (the state API needs the dashboard): the message stays useful without it
         return ""

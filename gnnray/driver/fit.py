@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
+from gnnray.data.load import check_dataset
 from gnnray.data.store import GraphHandle
 from gnnray.driver import launch, preflight
 from gnnray.driver.failures import one_line
@@ -57,7 +58,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
     Args:
         cfg: The job configuration.
         model_factory: Optional ``(in_feats, num_classes, cfg) -> nn.Module``
-            with ``forward(blocks, x)``; the ``--model`` one by default.
+            with ``forward(layers, x)``; the ``--model`` one by default.
 
     Raises:
         GnnrayError: Bad options, data or cluster; raised before training starts.
@@ -70,7 +71,9 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
                           f"elastic run within one fit); give a fixed --num-workers N with --max-failures, or drop "
                           f"--feature-shards")
     run_dir = preflight.check_storage(cfg)
-    pub = launch.load_and_publish(cfg)
+    check_dataset(cfg.data)  # a mistyped --dataset fails at once, before Ray starts
+    # Ray starts while the graph loads: its processes' start overlaps reading and building the graph.
+    pub = launch.load_and_publish(cfg, overlap_ray=True)
 
     import ray.train
 
@@ -89,7 +92,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         if latest and latest.epoch + 1 >= cfg.train.epochs:
             console.say(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
                         "(use a new --name, or more --epochs to continue)")
-            return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
+            return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory), restarts)
         first_epoch, first_step = checkpoint.next_position(latest, _plan(cfg, graph))
         if latest and latest.step != first_step:
             console.say(f"note: {latest.path} was written within epoch {first_epoch} under another --batch-size "
@@ -103,7 +106,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers):
                 _fit_elastic(cfg, setup, graph, use_gpu, pub.local)
             latest, _ = checkpoint.latest_valid(run_dir)
-            return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir),
+            return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory),
                             int(latest.metrics.get("restarts", 0)))
         try:
             with console.EpochPrinter(run_dir, cfg.train.epochs):
@@ -118,7 +121,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             owners = _embedding_owners(cfg, pub, owners)
             continue
         latest, _ = checkpoint.latest_valid(run_dir)
-        return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory, run_dir), restarts)
+        return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory), restarts)
 
 
 def _plan(cfg: JobConfig, graph: Graph) -> list:
@@ -335,35 +338,40 @@ def beside_shards(cfg: JobConfig, handle: GraphHandle, use_gpu: bool, cluster: l
 
 
 def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph, handle: GraphHandle,
-                model_factory: Optional[ModelFactory], run_dir: str) -> checkpoint.CheckpointInfo:
-    """With ``--eval layerwise``, replace the last checkpoint's sampled accuracies by layer-wise inference's.
+                model_factory: Optional[ModelFactory]) -> checkpoint.CheckpointInfo:
+    """With ``--eval layerwise``, the last checkpoint with layer-wise accuracies.
 
-    The sampled test accuracy is kept as ``test_acc_sampled``; the result is
-    written into the checkpoint's ``meta.json``, so it is computed once.
+    The train workers computed them after the last epoch (the sampled test
+    accuracy is then ``test_acc_sampled``). A checkpoint without them (a run
+    trained under ``--eval sampled``, or a model without ``layer``) gets them
+    here from one Ray task, written into its ``meta.json``, so they are
+    computed once.
     """
     from gnnray.driver import console
     from gnnray.inference import layerwise
     from gnnray.train import checkpoint
 
-    if cfg.train.eval != "layerwise" or latest.metrics.get("eval") == "layerwise":
+    if cfg.train.eval != "layerwise":
         return latest
-    # ``embedding``: the checkpoint directory, whose embedding shard files the inference actors read.
-    model, embedding = layerwise.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
-    if not layerwise.supports_layerwise(model):
-        console.say(f"note: {type(model).__name__} has no layer(i, block, h): final accuracies are sampled")
-        return latest
-    result = layerwise.run(graph, handle, model, embedding=embedding, work_dir=os.path.join(run_dir, "inference"),
-                           batch_size=cfg.train.inference_batch_size,
-                           actors=(cfg.sampler.actors_min, cfg.sampler.actors_max),
-                           cpus_per_actor=cfg.sampler.cpus_per_actor)
-    console.say(f"layer-wise inference: {result.num_nodes:,} nodes in {result.seconds:.1f}s, "
-                f"val_acc={result.accuracy['valid']:.4f} test_acc={result.accuracy['test']:.4f}")
-    update = {"eval": "layerwise", "val_acc_layerwise": result.accuracy["valid"],
-              "test_acc": result.accuracy["test"], "inference_s": result.seconds}
-    if "test_acc" in latest.metrics:
-        update["test_acc_sampled"] = latest.metrics["test_acc"]
-    checkpoint.update_metrics(latest.path, update)
-    return checkpoint.read_info(latest.path) or latest
+    m = latest.metrics
+    if m.get("eval") != "layerwise":
+        # ``embedding``: the checkpoint directory, whose embedding shard files the inference task reads.
+        model, embedding = layerwise.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
+        if not layerwise.supports_layerwise(model):
+            console.say(f"note: {type(model).__name__} has no layer(i, layer, h): final accuracies are sampled")
+            return latest
+        result = layerwise.run(graph, handle, model, embedding=embedding, batch_size=cfg.train.inference_batch_size,
+                               use_gpu=cfg.train.use_gpu)
+        update = {"eval": "layerwise", "val_acc_layerwise": result.accuracy["valid"],
+                  "test_acc": result.accuracy["test"], "inference_s": result.seconds}
+        if "test_acc" in m:
+            update["test_acc_sampled"] = m["test_acc"]
+        checkpoint.update_metrics(latest.path, update)
+        latest = checkpoint.read_info(latest.path) or latest
+        m = latest.metrics
+    console.say(f"layer-wise inference: {graph.num_nodes:,} nodes in {m.get('inference_s', float('nan')):.2f}s, "
+                f"val_acc={m['val_acc_layerwise']:.4f} test_acc={m['test_acc']:.4f}")
+    return latest
 
 
 def _resume_point(cfg: JobConfig, run_dir: str) -> Optional[checkpoint.CheckpointInfo]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import socket
 import sys
 import threading
 import time
@@ -32,12 +33,19 @@ _RAY_DEPRECATION = "`ExecutionOptions.exclude_resources` is deprecated"
 
 
 def init_ray(cfg: JobConfig) -> bool:
-    """Connect to ``RAY_ADDRESS`` or start a local cluster; return whether it is local (fixed size).
+    """Connect to ``RAY_ADDRESS`` or start a local cluster, check its versions; return whether it is local (fixed
+    size).
 
-    Ray's own INFO logs stay in its session logs unless ``--verbose``
-    (:func:`gnnray.driver.console.quiet_ray`).
+    Says which cluster and dashboard the run uses. Ray's own INFO logs stay in its session logs unless
+    ``--verbose`` (:func:`gnnray.driver.console.quiet_ray`).
+
+    Raises:
+        ClusterError: Nothing answers at ``RAY_ADDRESS``, or a node runs other Ray or DGL versions than the pinned
+            ones (:func:`gnnray.driver.preflight.check_versions`).
     """
     import ray
+
+    from gnnray.logs import drop_records
 
     os.environ.setdefault("DGLBACKEND", "pytorch")
     # The dashboard's Train view lists only runs whose driver tracks Train state.
@@ -48,43 +56,90 @@ def init_ray(cfg: JobConfig) -> bool:
     # Raised by Ray Train's own use of ExecutionOptions (in this process and in its controller), not by
     # anything a user can change: hidden here and in the processes of a local cluster, which inherit it.
     warnings.filterwarnings("ignore", message=_RAY_DEPRECATION)
-    local = False
+    if not cfg.run.verbose:  # Ray's notice that a new local cluster uses its default, token authentication
+        drop_records("ray._private.authentication.authentication_token_setup", "Token authentication is enabled")
+    local, started = False, None
     if not ray.is_initialized():
+        if _own_address[0] and os.environ.get("RAY_ADDRESS") == _own_address[0]:  # this process's last local
+            del os.environ["RAY_ADDRESS"]  # cluster, shut down since
         options = dict(logging_config=ray.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
                        log_to_driver=True)
         # Read by OpenMP when a process loads it: set for every process of the job.
         job_env = dict(cpus.JOB_ENV) if cfg.train.cpu_plan == "on" else {}
         if os.environ.get("RAY_ADDRESS"):
-            try:
-                ray.init(**options, **({"runtime_env": {"env_vars": job_env}} if job_env else {}))
-            except ConnectionError as e:
-                raise ClusterError(
-                    f"cannot connect to the Ray cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']} ({e}). Check that "
-                    f"it is up (ray status). A cluster started by `ray start` may require its auth token, which "
-                    f"Ray reads only with RAY_ADDRESS=auto on one of its nodes: use that, set RAY_AUTH_MODE=token "
-                    f"and RAY_AUTH_TOKEN, or submit the job with `ray job submit`") from None
+            started = _connect(options, job_env)
         else:
-            local = True
-            # A local cluster gets enough logical CPUs for every worker and
-            # sampler actor plus one for Ray Data's own tasks; on a small
-            # machine they then share cores rather than wait forever.
-            need = (cfg.train.workers_max * cfg.train.cpus_per_worker
-                    + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1)
-            # address="local": a new cluster even if another runs on this
-            # machine (joining one is what RAY_ADDRESS is for).
-            os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"),
-                                                                  f"ignore:{_RAY_DEPRECATION}"]))
-            # A local cluster's processes inherit the job's environment from this one; a job runtime env
-            # instead would keep every actor off the idle workers Ray starts with the cluster (they have none).
-            with _environ(job_env):
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), **options)
+            local, started = True, _start_local(cfg, options, job_env)
     import ray.data
 
     from gnnray.driver import console
 
     console.quiet_ray(cfg.run.verbose)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.run.verbose and sys.stdout.isatty()
+    cluster = preflight.nodes()
+    checked = preflight.check_versions(cluster)
+    if started is not None:
+        console.say(console.cluster_line(local, started.address_info["gcs_address"], started.dashboard_url,
+                                         len(cluster), checked))
     return local
+
+
+# The RAY_ADDRESS this process set for its local cluster (see _start_local).
+_own_address: list = [None]
+
+
+def _connect(options: dict, job_env: dict):
+    """``ray.init`` on the cluster at ``RAY_ADDRESS``; :class:`ClusterError` at once if nothing listens there."""
+    import ray
+
+    address = os.environ["RAY_ADDRESS"]
+    preflight.check_address(address)
+    # The job's processes are the cluster's: the warning hidden here (init_ray) is hidden there through the
+    # job's runtime env.
+    env = {**job_env, "PYTHONWARNINGS": _ignore_deprecation()}
+    try:
+        return ray.init(**options, runtime_env={"env_vars": env})
+    except ConnectionError as e:
+        raise ClusterError(
+            f"cannot connect to the Ray cluster at RAY_ADDRESS={address} ({e}). Check that "
+            f"it is up (ray status). A cluster started by `ray start` may require its auth token, which "
+            f"Ray reads only with RAY_ADDRESS=auto on one of its nodes: use that, set RAY_AUTH_MODE=token "
+            f"and RAY_AUTH_TOKEN, or submit the job with `ray job submit`") from None
+
+
+def _start_local(cfg: JobConfig, options: dict, job_env: dict):
+    """Start a new local cluster (even if another runs on this machine: joining one is what RAY_ADDRESS is for).
+
+    Its GCS port is chosen first and ``RAY_ADDRESS`` names it before its processes start: they inherit it,
+    so whatever finds "the" cluster by itself (Ray Train's controller, state actor and placement-group
+    cleaner use the state API, which would take the newest Ray instance on the machine) finds this one.
+    """
+    import ray
+
+    # Enough logical CPUs for every worker and sampler actor plus one for Ray Data's own tasks; on a small
+    # machine they then share cores rather than wait forever.
+    need = cfg.train.workers_max * cfg.train.cpus_per_worker + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1
+    os.environ["PYTHONWARNINGS"] = _ignore_deprecation()
+    port = _free_port()
+    os.environ["RAY_ADDRESS"] = _own_address[0] = f"{ray.util.get_node_ip_address()}:{port}"
+    # A local cluster's processes inherit the job's environment from this one; a job runtime env
+    # instead would keep every actor off the idle workers Ray starts with the cluster (they have none).
+    with _environ({**job_env, "RAY_GCS_SERVER_PORT": str(port)}):
+        started = ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), **options)
+    os.environ["RAY_ADDRESS"] = _own_address[0] = started.address_info["gcs_address"]
+    return started
+
+
+def _ignore_deprecation() -> str:
+    """``PYTHONWARNINGS`` with Ray Train's deprecation warning (see init_ray) ignored too."""
+    return ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), f"ignore:{_RAY_DEPRECATION}"]))
+
+
+def _free_port() -> int:
+    """A TCP port free now (the kernel's choice, so concurrent runs get different ones)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -148,16 +203,60 @@ def _check_fanouts(cfg: JobConfig, graph) -> None:
         fanout_table(cfg.sampler.eval_fanouts, graph, "--eval-fanouts")
 
 
-def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]] = None) -> Published:
+class _Thread(threading.Thread):
+    """``fn(*args)`` on a daemon thread; :meth:`result` waits and returns it, or raises its exception here."""
+
+    def __init__(self, fn: Callable, *args):
+        super().__init__(name=fn.__name__, daemon=True)
+        self._fn, self._args, self._out, self._error = fn, args, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._out = self._fn(*self._args)
+        except BaseException as e:  # re-raised by result(), in the caller's thread
+            self._error = e
+
+    def result(self):
+        self.join()
+        if self._error is not None:
+            raise self._error
+        out, self._out = self._out, None  # the caller's reference is the only one: dropping it frees the result
+        return out
+
+
+def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]] = None,
+                     overlap_ray: bool = False) -> Published:
     """Load the graph and connect to Ray, then :func:`publish_checked`, or place the feature shards.
 
     ``model_check(feat_dim, num_classes)`` runs after loading, before Ray starts (predict's model check).
+    ``overlap_ray`` (training, :func:`gnnray.driver.fit.run`): the graph loads on a thread while Ray starts
+    (in this, the main thread: Ray installs its signal handlers only there); a loading error is raised
+    once Ray has started, a cluster error at once.
     Meanwhile a thread imports torch, which the driver needs next: loading and starting Ray (on a new
     local cluster, seconds of waiting for its processes) leave a core to spare.
     """
+    threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
+    if overlap_ray:
+        loading = _Thread(_load, cfg, model_check)
+        local = init_ray(cfg)
+        loaded = loading.result()
+    else:
+        loaded, local = _load(cfg, model_check), None
+    if cfg.data.feature_shards == 1:
+        return Published(*publish_checked(cfg, loaded, local))
+    # A table read into memory is written once, a file per shard, and dropped here (the only reference):
+    # shards, and lost ones later, are made from those files on their nodes.
+    graph, source = loaded
+    del loaded
+    source = _spill(cfg, graph, source)
+    return _publish_sharded(cfg, graph, source, local)
+
+
+def _load(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]]):
+    """The graph (``--feature-shards 1``), or the structure and its feature source, checked."""
     from gnnray.data.load import load_graph, load_structure
 
-    threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
     if cfg.data.feature_shards == 1:
         graph = load_graph(cfg.data, cfg.run.seed)
         _check_fanouts(cfg, graph)
@@ -165,15 +264,12 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
             model_check(graph.feat_dim, graph.num_classes)
         if graph.feat.dtype != np.dtype(cfg.data.feature_dtype):
             graph = dataclasses.replace(graph, feat=graph.feat.astype(cfg.data.feature_dtype))
-        return Published(*publish_checked(cfg, graph))
+        return graph
     graph, source = load_structure(cfg.data, cfg.run.seed)
     _check_fanouts(cfg, graph)
     if model_check:
         model_check(source.dim, graph.num_classes)
-    # A table read into memory is written once, a file per shard, and dropped here (the only reference):
-    # shards, and lost ones later, are made from those files on their nodes.
-    source = _spill(cfg, graph, source)
-    return _publish_sharded(cfg, graph, source)
+    return graph, source
 
 
 def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource:
@@ -190,14 +286,14 @@ def _import_torch() -> None:
     import torch  # noqa: F401
 
 
-def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource) -> Published:
+def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource, local: Optional[bool] = None) -> Published:
     """Publish the structure once per node, then the feature table as ``--feature-shards`` shards (``shards.build``)."""
     from gnnray.data import shards
     from gnnray.data.store import publish
 
     d = cfg.data
     table = source.num_rows * source.dim * np.dtype(d.feature_dtype).itemsize
-    local = init_ray(cfg)
+    local = init_ray(cfg) if local is None else local  # None: Ray not started yet
     from gnnray.driver import console  # after Ray started (see above)
 
     console.say(console.graph_line(graph, source.dim, table))
@@ -250,17 +346,18 @@ def rebuild_lost_shards(pub: Published) -> Published:
     return dataclasses.replace(pub, handle=dataclasses.replace(pub.handle, features=features))
 
 
-def publish_checked(cfg: JobConfig, graph: Graph) -> tuple[Graph, GraphHandle, bool]:
-    """Connect to Ray and put ``graph`` into the object store once, if every node's store can hold it.
+def publish_checked(cfg: JobConfig, graph: Graph, local: Optional[bool] = None) -> tuple[Graph, GraphHandle, bool]:
+    """Connect to Ray (``local=None``: not started yet) and put ``graph`` into the object store once, if every
+    node's store can hold it.
 
     Returns:
-        The graph as read-only views on the store (the loading copy is freed),
-        its handle (this process owns the object: it must outlive every user),
-        and whether the cluster is local.
+        The graph as read-only views on the store (the loading copy is freed
+        once the caller drops its reference), its handle (this process owns
+        the object: it must outlive every user), and whether the cluster is local.
     """
     from gnnray.data.store import publish
 
-    local = init_ray(cfg)
+    local = init_ray(cfg) if local is None else local
     from gnnray.driver import console  # after Ray started (see load_and_publish)
 
     console.say(console.graph_line(graph))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 from gnnray.errors import ConfigError
@@ -19,8 +18,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="predict.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Predict every node of a trained run's graph with layer-wise full-neighbor inference (a Ray "
-        "Data job per layer) and write node id, predicted class and optionally the final embedding to Parquet.")
+        description="Predict every node of a trained run's graph with layer-wise full-neighbor inference (one Ray "
+        "task, on a GPU if the cluster has one) and write node id, predicted class and optionally the final "
+        "embedding to Parquet.")
     p.add_argument("--checkpoint", required=True,
                    help="a checkpoint directory, or a run directory (STORAGE_PATH/NAME: its newest valid checkpoint)")
     p.add_argument("--output", required=True, help="Parquet file to write (columns id, pred[, embedding])")
@@ -28,9 +28,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="also write each node's final embedding (the input of the output layer)")
     p.add_argument("--dataset", default=None, help="override the dataset stored in the checkpoint")
     p.add_argument("--data-dir", default=None, help="override the data directory stored in the checkpoint")
-    p.add_argument("--work-dir", default=None,
-                   help="where hidden layers' outputs are written meanwhile (default: beside --output; "
-                   "on several nodes it must be a shared file system)")
     p.add_argument("--batch-size", type=int, default=None, help="nodes per chunk (default: the run's)")
     a = p.parse_args(argv)
     try:
@@ -40,9 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         data = dataclasses.replace(cfg.data, **{k: v for k, v in (("dataset", a.dataset), ("data_dir", a.data_dir))
                                                  if v is not None})
         cfg = dataclasses.replace(cfg, data=data)
-        result = _predict(cfg, directory, a.output, a.embeddings,
-                          a.work_dir or os.path.dirname(os.path.abspath(a.output)),
-                          a.batch_size or cfg.train.inference_batch_size)
+        result = _predict(cfg, directory, a.output, a.embeddings, a.batch_size or cfg.train.inference_batch_size)
     except GnnrayError as e:
         print(f"gnnray: error: {e}", file=sys.stderr)
         return 2
@@ -72,8 +67,7 @@ def _checkpoint_config(path: str):
     return from_dict(meta["config"]), info.path
 
 
-def _predict(cfg, directory: str, output: str, with_embeddings: bool, work_dir: str,
-             batch_size: int) -> InferenceResult:
+def _predict(cfg, directory: str, output: str, with_embeddings: bool, batch_size: int) -> InferenceResult:
     from gnnray.driver.launch import load_and_publish
 
     loaded = {}
@@ -82,9 +76,8 @@ def _predict(cfg, directory: str, output: str, with_embeddings: bool, work_dir: 
         loaded["model"], loaded["embedding"] = load_model(directory, cfg, feat_dim, num_classes)
 
     pub = load_and_publish(cfg, check)
-    # With --embedding-dim, ``embedding`` is the checkpoint directory: the inference actors memory-map the rows
-    # they need from its shard files; the table is never loaded here nor put in the object store.
+    # With --embedding-dim, ``embedding`` is the checkpoint directory: the inference task memory-maps the rows
+    # it needs from its shard files; the table is never loaded here nor put in the object store.
     model, embedding = loaded["model"], loaded["embedding"]
-    return run(pub.graph, pub.handle, model, embedding=embedding, work_dir=work_dir, batch_size=batch_size,
-               actors=(cfg.sampler.actors_min, cfg.sampler.actors_max), cpus_per_actor=cfg.sampler.cpus_per_actor,
-               output=output, with_embeddings=with_embeddings)
+    return run(pub.graph, pub.handle, model, embedding=embedding, batch_size=batch_size, output=output,
+               with_embeddings=with_embeddings, use_gpu=cfg.train.use_gpu)

@@ -1,4 +1,5 @@
-"""Driver checks made before anything waits: a writable storage path, and a cluster that can ever run the job.
+"""Driver checks made before anything waits: a writable storage path, a cluster that answers, runs the pinned
+Ray and DGL on every node, and can ever run the job.
 
 Ray waits for resources it lacks, expecting an autoscaler to add nodes; on a
 cluster of fixed size that wait never ends. So the driver compares what the
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from dataclasses import dataclass
+from typing import Optional
 
 from gnnray.config import JobConfig
 from gnnray.errors import ClusterError, ConfigError, size_text
@@ -23,6 +26,16 @@ from gnnray.errors import ClusterError, ConfigError, size_text
 # Share of a node's object store the graph may take: the rest holds the
 # mini-batches in flight and Ray's own objects.
 GRAPH_STORE_FRACTION = 0.9
+
+# The versions pyproject.toml pins (tests/driver/test_versions.py keeps the two equal). The code relies on private
+# Ray Data and Ray Train internals that another Ray may change silently, and the sampler actors on DGL's sampling.
+# Torch is not compared: a GPU node may carry another CUDA build of it (the train worker's code runs on torch alone,
+# 2.2 to 2.11), and DGL itself refuses, when it is imported, a torch it was not built for.
+PINNED = {"ray": "2.60.0", "dgl": "2.1.0"}
+# How long a node may take to start a process for the version check (a new worker, its runtime env).
+VERSION_CHECK_TIMEOUT_S = 30.0
+# How long a TCP connection to RAY_ADDRESS may take: Ray itself retries for minutes where nothing listens.
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,70 @@ def nodes() -> list[Node]:
     return [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), float(n["Resources"].get("CPU", 0)),
                  float(n["Resources"].get("GPU", 0)), int(n["Resources"].get("object_store_memory", 0)))
             for n in ray.nodes() if n.get("Alive")]
+
+
+def check_address(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise :class:`ClusterError` unless something accepts a TCP connection at ``RAY_ADDRESS`` (``host:port``).
+
+    Other forms (``auto``, ``ray://...``) are left to Ray.
+    """
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except OSError as e:
+        why = "no answer" if isinstance(e, socket.timeout) else (e.strerror or str(e)).lower()
+    raise ClusterError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({why} within {timeout_s:g} s); start "
+                       f"one (`ray start --head --port {port}` on {host}), set RAY_ADDRESS to the address `ray status` "
+                       f"prints on a running cluster's head, or unset RAY_ADDRESS to run on a new local cluster")
+
+
+def check_versions(cluster: list[Node], pinned: Optional[dict] = None,
+                   timeout_s: float = VERSION_CHECK_TIMEOUT_S) -> int:
+    """Raise :class:`ClusterError` if a node of ``cluster`` runs other versions than ``pinned`` (default
+    :data:`PINNED`); return how many nodes answered.
+
+    A task without CPUs on each node reads the installed packages' metadata (DGL is not imported). A node
+    that does not answer within ``timeout_s`` (it could not start a process) is left to fail the job later.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    pinned = PINNED if pinned is None else pinned
+    probe = ray.remote(num_cpus=0, max_retries=0)(installed_versions)
+    refs = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
+            .remote(tuple(pinned)): n for n in cluster}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    wrong = []
+    for ref in ready:
+        try:
+            found = ray.get(ref)
+        except ray.exceptions.RayError:  # the node died meanwhile: Ray reports that where it matters
+            continue
+        diff = [f"{name} {found[name] or 'missing'}" for name in pinned if found[name] != pinned[name]]
+        if diff:
+            n = refs[ref]
+            wrong.append(f"node {n.address} ({n.node_id[:8]}) has {', '.join(diff)}")
+    if wrong:
+        want = " ".join(f"{k}=={v}" for k, v in pinned.items())
+        raise ClusterError(f"gnnray needs {want} on every node and {'; '.join(sorted(wrong))}: install those "
+                           f"versions on every node (pip install -e . pins them), or use an image that has them")
+    return len(ready)
+
+
+def installed_versions(names: tuple) -> dict:
+    """The installed versions of the packages ``names`` (``None``: not installed), read without importing them."""
+    import importlib.metadata
+
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
 
 
 def autoscaling() -> bool:

@@ -4,7 +4,9 @@ A :class:`MiniBatch` is born in a sampler actor (seeds + sampled blocks), travel
 through Ray Data as one flat integer array in an Arrow row (:func:`to_arrow`),
 is rebuilt in the train worker (:func:`from_arrow`, :meth:`MiniBatch.unpack`),
 gets its input features gathered there and is moved to the device with
-:meth:`MiniBatch.to`.
+:meth:`MiniBatch.to`. Only torch and numpy are imported here (pyarrow when
+rows are packed into or read from a table): the train worker's code runs
+without Ray and DGL.
 
 Why one flat integer array per batch: every part (ids, labels, CSC offsets
 and indices) is an integer, so packing is one ``np.concatenate`` and unpacking
@@ -30,11 +32,13 @@ before. Input nodes' types are not packed: a model that needs them reads
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
-import pyarrow as pa
 import torch
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 _MAGIC = 0x6E6E7231  # "gnr1": rejects rows that are not packed mini-batches
 _MAGIC_TYPED = 0x6E6E7431  # "gnt1": as gnr1, plus each layer's edge types after its indices
@@ -71,7 +75,8 @@ class MiniBatch:
 
     Attributes:
         seeds: Global ids of the output (seed) nodes, ``(B,)``.
-        labels: Labels of the seeds, ``(B,)``.
+        labels: Labels of the seeds, ``(B,)``: int64 from the sampler and after :meth:`to`, the
+            packed dtype straight out of :meth:`unpack`.
         input_nodes: Global ids of the first layer's source nodes, ``(S,)``;
             ``seeds`` is their prefix.
         layers: Blocks from the input layer to the output layer.
@@ -90,25 +95,13 @@ class MiniBatch:
     def num_seeds(self) -> int:
         return int(self.seeds.shape[0])
 
-    def blocks(self) -> list:
-        """The layers as DGL blocks, on the device their tensors are on."""
-        import dgl
-
-        blocks = []
-        for layer in self.layers:
-            block = dgl.create_block(
-                ("csc", (layer.indptr, layer.indices, layer.indices.new_empty(0))),
-                num_src_nodes=layer.num_src,
-                num_dst_nodes=layer.num_dst,
-                device=layer.indptr.device,
-            )
-            if layer.etype is not None:  # edge ids are CSC positions here, so etype is in edge id order
-                block.edata["etype"] = layer.etype.long()
-            blocks.append(block)
-        return blocks
-
     def to(self, device, non_blocking: bool = False) -> "MiniBatch":
-        """Return a copy on ``device`` (``non_blocking`` needs pinned memory to overlap)."""
+        """Return a copy on ``device`` (``non_blocking`` needs pinned memory to overlap), its labels int64.
+
+        Labels cross in their packed dtype and are widened there, on the
+        device: the loss wants int64, and a cast on the host would be one more
+        copy, into pageable memory, per batch.
+        """
 
         def move(t):
             return None if t is None else t.to(device, non_blocking=non_blocking)
@@ -116,7 +109,7 @@ class MiniBatch:
         return replace(
             self,
             seeds=move(self.seeds),
-            labels=move(self.labels),
+            labels=move(self.labels).long(),
             input_nodes=move(self.input_nodes),
             layers=[Layer(move(l.indptr), move(l.indices), l.num_src, move(l.etype)) for l in self.layers],
             x=move(self.x),
@@ -143,7 +136,7 @@ class MiniBatch:
 
     @staticmethod
     def unpack(packed: torch.Tensor) -> "MiniBatch":
-        """Decode :meth:`pack`'s output; every tensor but ``labels`` (int64 for the loss) is a view into ``packed``."""
+        """Decode :meth:`pack`'s output; every tensor is a view into ``packed`` (:meth:`to` makes labels int64)."""
         if packed.dtype not in (torch.int32, torch.int64) or packed.dim() != 1 or packed.shape[0] < _FIXED_HEADER:
             raise ValueError("not a packed MiniBatch: expected a 1-D int32 or int64 array")
         magic, epoch, num_layers, num_seeds, num_input = packed[:_FIXED_HEADER].tolist()
@@ -167,11 +160,13 @@ class MiniBatch:
             raise ValueError("packed MiniBatch is truncated")
         if pos < packed.shape[0]:
             raise ValueError(f"packed MiniBatch has {packed.shape[0] - pos} trailing values")
-        return MiniBatch(seeds, labels.long(), input_nodes, layers, epoch=epoch)
+        return MiniBatch(seeds, labels, input_nodes, layers, epoch=epoch)
 
 
 def to_arrow(batches: Sequence[MiniBatch], dtype: np.dtype) -> pa.Table:
     """Pack ``batches`` into a table of one ``large_list`` row each, with one copy of their data."""
+    import pyarrow as pa  # here: a train worker's step needs torch and numpy only
+
     parts = [b._parts() for b in batches]
     lengths = [sum(len(p) for p in ps) for ps in parts]
     offsets = np.zeros(len(batches) + 1, dtype=np.int64)

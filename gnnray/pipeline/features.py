@@ -16,7 +16,10 @@
   under one ``--feature-timeout`` per batch (``shards.wait_calls``): a failure
   names the shard and its node, and the calls still pending are cancelled.
 
-float16 storage is widened to float32 while it is copied into the buffer.
+Rows land in the buffer's dtype: float16 storage is widened to float32 while
+it is copied into a float32 buffer, or kept (``FeatureReader.dtype``) where the
+prefetch thread copies it to a GPU, so half the bytes cross PCIe and the
+device widens them.
 """
 
 from __future__ import annotations
@@ -68,9 +71,10 @@ class FetchStats:
 
 
 class FeatureReader:
-    """``gather(ids, out)``: rows ``ids`` of the feature table into ``out`` (float32)."""
+    """``gather(ids, out)``: rows ``ids`` of the feature table into ``out`` (float32, or :attr:`dtype`)."""
 
     dim: int
+    dtype: np.dtype = np.dtype(np.float32)  # as stored
 
     def __init__(self):
         self._stats = FetchStats()
@@ -88,7 +92,7 @@ class LocalRows(FeatureReader):
 
     def __init__(self, feat: np.ndarray):
         super().__init__()
-        self._feat, self.dim = feat, int(feat.shape[1])
+        self._feat, self.dim, self.dtype = feat, int(feat.shape[1]), np.dtype(feat.dtype)
 
     def gather(self, ids, out):
         _take(self._feat, ids, out)
@@ -105,7 +109,7 @@ class ShardedRows(FeatureReader):
         from gnnray.data.store import write_protected
 
         super().__init__()
-        self._h, self.dim = handle, handle.dim
+        self._h, self.dim, self.dtype = handle, handle.dim, np.dtype(handle.dtype)
         self._starts = np.array([s.lo for s in handle.shards], dtype=np.int64)
         node = ray.get_runtime_context().get_node_id()
         # A shard on this node is a zero-copy read; no process ever gets another node's shard (the whole of it
@@ -158,7 +162,8 @@ def reader_for(graph: Graph, features: Optional[ShardedFeatures]) -> FeatureRead
 
 
 def _take(table: np.ndarray, ids: np.ndarray, out: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
-    """``out[rows] = table[ids]`` (all of ``out`` without ``rows``), widening float16; no temporary for float32."""
+    """``out[rows] = table[ids]`` (all of ``out`` without ``rows``), widening float16 into a float32 ``out``; no
+    temporary where the dtypes match."""
     if rows is None and table.dtype == out.dtype:
         np.take(table, ids, axis=0, out=out)
     elif rows is None:

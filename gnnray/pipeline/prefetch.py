@@ -4,17 +4,23 @@ Input: an iterator of packed mini-batches (``MiniBatch.pack`` output) and the
 node-shared feature array. A background thread copies each row into a reused
 host buffer (pinned when the device is a GPU), unpacks it, gathers its input
 features there, and, on a GPU, starts the host-to-device copy on a side CUDA
-stream, so the copy overlaps the current step's compute. Output:
-:class:`MiniBatch` es on the device, in input order.
+stream of the worker's own GPU, so the copy overlaps the current step's
+compute. What crosses is what is stored: ids and labels in the packed dtype,
+features in theirs (float16 stays float16); the device widens them, on the side
+stream. Output: :class:`MiniBatch` es on the device (labels int64, features
+float32), in input order.
 
 On CPU the same thread still does the copy and the feature gather, the costly
 parts, while the main thread computes.
 
 With learnable embeddings (``--embedding-dim``) the thread also reads the
 batch's embedding rows (``embedding.prefetch``, from the owners with
-``--feature-shards``); taking the batch brings them up to date
-(``embedding.complete``: rows a step updated since are read again) on the
+``--feature-shards``) and, on a GPU, copies them to the device beside the
+features; taking the batch brings them up to date (``embedding.complete``: rows
+a step updated since are read again, and only those cross again) on the
 consumer's thread, inside the time counted as ``data_wait``.
+
+Torch and numpy only (no Ray, no DGL): this runs on any train worker.
 """
 
 from __future__ import annotations
@@ -49,27 +55,36 @@ class HostSlot:
         self._pin = pin
         self._ids = torch.empty(0, dtype=torch.int64)
         self._feat = torch.empty(0, dtype=torch.float32)
+        self._rows = torch.empty(0, dtype=torch.float32)  # embedding rows on their way to the GPU
         self.copied: Optional[torch.cuda.Event] = None  # set once a copy from this slot is queued
 
-    def _grow(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
-        if buf.numel() >= numel:
+    def _grow(self, buf: torch.Tensor, numel: int, dtype: np.dtype) -> torch.Tensor:
+        if buf.numel() >= numel and buf.numpy().dtype == dtype:
             return buf
-        return torch.empty(int(numel * 1.25) + 1024, dtype=buf.dtype, pin_memory=self._pin)
+        like = torch.from_numpy(np.empty(0, dtype))
+        return torch.empty(int(numel * 1.25) + 1024, dtype=like.dtype, pin_memory=self._pin)
 
     def ids(self, n: int, dtype: np.dtype) -> torch.Tensor:
-        if self._ids.numpy().dtype != dtype:
-            self._ids = torch.from_numpy(np.empty(0, dtype))
-        self._ids = self._grow(self._ids, n)
+        self._ids = self._grow(self._ids, n, np.dtype(dtype))
         return self._ids[:n]
 
-    def feat(self, rows: int, dim: int) -> torch.Tensor:
-        self._feat = self._grow(self._feat, rows * dim)
+    def feat(self, rows: int, dim: int, dtype: np.dtype = np.dtype(np.float32)) -> torch.Tensor:
+        self._feat = self._grow(self._feat, rows * dim, np.dtype(dtype))
         return self._feat[: rows * dim].view(rows, dim)
 
-    def gather(self, feat: Union[np.ndarray, FeatureReader], ids: np.ndarray) -> torch.Tensor:
-        """Rows ``ids`` of ``feat`` (a table or a reader), into this slot's reused buffer (valid until the next)."""
+    def rows(self, rows: np.ndarray) -> torch.Tensor:
+        """A copy of float32 ``rows`` in this slot's reused buffer."""
+        n, dim = rows.shape
+        self._rows = self._grow(self._rows, n * dim, np.dtype(np.float32))
+        out = self._rows[: n * dim].view(n, dim)
+        out.numpy()[:] = rows
+        return out
+
+    def gather(self, feat: Union[np.ndarray, FeatureReader], ids: np.ndarray, stored: bool = False) -> torch.Tensor:
+        """Rows ``ids`` of ``feat`` (a table or a reader), into this slot's reused buffer (valid until the next):
+        float32, or with ``stored`` in the table's own dtype (to be widened on the device)."""
         reader = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
-        x = self.feat(ids.shape[0], reader.dim)
+        x = self.feat(ids.shape[0], reader.dim, reader.dtype if stored else np.dtype(np.float32))
         reader.gather(ids, x.numpy())
         return x
 
@@ -96,6 +111,8 @@ class Prefetcher:
         self._embedding = embedding
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
+        if self._cuda and self._device.index is None:  # the caller's current GPU, named: the thread sets it
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._feat = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
         self._slots = [HostSlot(pin=self._cuda) for _ in range(depth + 2)]
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
@@ -125,6 +142,8 @@ class Prefetcher:
             # the caching allocator, or it may hand their memory out too early.
             for t in _tensors(mb):
                 t.record_stream(current)
+            if lookup is not None:
+                lookup.device_rows.record_stream(current)
         if lookup is not None:  # here, not on the thread: it must follow the steps taken before this batch
             mb.x = torch.cat([mb.x, self._embedding.complete(lookup).to(self._device)], dim=1)
         return mb
@@ -162,6 +181,10 @@ class Prefetcher:
 
     def _run(self, rows: Iterator[np.ndarray]) -> None:
         try:
+            if self._cuda:
+                # A new thread starts on GPU 0: without this, every rank of a multi-GPU node would create a
+                # context there (pinned buffers, events) beside its own.
+                torch.cuda.set_device(self._device)
             for i, packed in enumerate(rows):
                 if self._stop.is_set():
                     return
@@ -177,12 +200,16 @@ class Prefetcher:
         ids = slot.ids(packed.shape[0], packed.dtype)
         ids.numpy()[:] = packed  # rows arrive as read-only views; this is the one copy
         mb = MiniBatch.unpack(ids)
-        mb.x = slot.gather(self._feat, mb.input_nodes.numpy())
+        mb.x = slot.gather(self._feat, mb.input_nodes.numpy(), stored=self._cuda)
         lookup = self._embedding.prefetch(mb.input_nodes.numpy()) if self._embedding is not None else None
         if not self._cuda:
-            return mb, None, lookup
+            return mb.to("cpu"), None, lookup  # labels int64 (a few bytes); the rest stays as it is
+        rows = slot.rows(lookup.rows) if lookup is not None else None
         with torch.cuda.stream(self._stream):
             mb = mb.to(self._device, non_blocking=True)
+            mb.x = mb.x.float()  # float16 crossed as such; widened here, on the side stream
+            if lookup is not None:
+                lookup.device_rows = rows.to(self._device, non_blocking=True)
             slot.copied = torch.cuda.Event()
             slot.copied.record(self._stream)
         return mb, slot.copied, lookup

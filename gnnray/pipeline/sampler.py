@@ -5,8 +5,9 @@ Data actor pool (``map_batches`` + ``ActorPoolStrategy``) whose actors each
 attach the node-shared graph once, zero-copy. Output: one row per mini-batch,
 a packed ``MiniBatch`` in an Arrow table (:func:`gnnray.pipeline.batch.to_arrow`).
 
-Train workers call :func:`sample` too, for evaluation, so sampling is the same
-code wherever it runs.
+Train workers sample for evaluation through an :class:`EvaluationSampler`
+actor of their own, so sampling is the same code wherever it runs and no
+train worker imports DGL.
 
 torch, pandas and the batch module are imported where used: Ray Data's split
 coordinator unpickles :class:`SamplerActor` (so imports this module) and
@@ -131,3 +132,37 @@ class SamplerActor:
         from gnnray.pipeline.batch import to_arrow
 
         return to_arrow(batches, self._sampler.id_dtype)
+
+
+class EvaluationSampler:
+    """A train worker's own evaluation sampler: a Ray actor on the worker's node, seeds in, packed batches out.
+
+    The train worker imports no DGL: GraphBolt samples here, over the same
+    node-shared graph (zero-copy). Packed batches are numpy arrays, so they
+    cross the object store without a copy. Start it with
+    :func:`start_evaluation_sampler` when the worker starts, so that its
+    imports (torch, DGL) overlap training.
+    """
+
+    def __init__(self, graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1):
+        from gnnray.cpus import set_threads
+
+        set_threads(max(1, threads))  # before the first sampling call: DGL's thread pool starts there
+        self._sampler = Sampler(graph.get(), fanouts)
+
+    def sample(self, seeds: np.ndarray) -> np.ndarray:
+        """The packed mini-batch (:meth:`MiniBatch.pack`) of ``seeds``."""
+        return self._sampler.sample(seeds).pack(self._sampler.id_dtype)
+
+
+def start_evaluation_sampler(graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1):
+    """Start an :class:`EvaluationSampler` on this process's node and return its handle without waiting.
+
+    It reserves no CPU, so it fits beside the job's workers and sampler
+    actors; it works while evaluation runs, when training does not. The
+    placement is soft: a node that cannot take it leaves Ray to place it.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(EvaluationSampler).options(num_cpus=0, scheduling_strategy=here).remote(graph, fanouts, threads)

@@ -24,10 +24,14 @@ Where the rows live:
   servers do; a rank holds only its batches' rows.
 
 Lookups run ahead, on the prefetch thread (:meth:`EmbeddingTable.prefetch`),
-and wait there. Rows that a step updated after they were read are read again
-when the batch is taken (:meth:`EmbeddingTable.complete`, counted in
-``data_wait``): every rank knows which rows each step touched (the all-reduced
+and wait there; on a GPU that thread also copies the rows to the device, on its
+side stream from pinned memory (``Lookup.device_rows``). Rows that a step
+updated after they were read are read again when the batch is taken
+(:meth:`EmbeddingTable.complete`, counted in ``data_wait``), and only those are
+copied again: every rank knows which rows each step touched (the all-reduced
 gradient's ids), so a batch gets exactly the rows a lookup at its step would.
+The table and its update stay on the host (the gradient comes back to it each
+step): a node table is far larger than a GPU.
 
 Checkpoints by shard: whoever holds rows writes them and their optimizer state
 into the checkpoint directory (``train.checkpoint.write_rows``: an owner on its
@@ -135,10 +139,12 @@ def init_rows(seed: int, lo: int, hi: int, dim: int) -> np.ndarray:
 
 class Lookup:
     """Rows read ahead of their step (:meth:`EmbeddingTable.prefetch`): ``ids``, ``rows``, and ``version``, the
-    steps whose updates had all landed before they were read."""
+    steps whose updates had all landed before they were read; ``device_rows``: their copy on the GPU, if the
+    prefetcher made one."""
 
     def __init__(self, ids: np.ndarray, rows: np.ndarray, version: int):
         self.ids, self.rows, self.version = ids, rows, version
+        self.device_rows: Optional[torch.Tensor] = None
 
 
 class EmbeddingTable:
@@ -172,21 +178,26 @@ class EmbeddingTable:
         return Lookup(ids, self._read(ids), version)
 
     def complete(self, lookup: Lookup, pending: bool = True) -> torch.Tensor:
-        """The lookup's rows as of now (a leaf tensor; its gradient is :meth:`step`'s): rows updated since they
-        were read are read again. Call on the training thread, in the order of :meth:`prefetch`."""
+        """The lookup's rows as of now (a leaf tensor, on the device of ``device_rows`` if set, else the CPU; its
+        gradient is :meth:`step`'s): rows updated since they were read are read again. Call on the training
+        thread, in the order of :meth:`prefetch`."""
         with self._lock:
             if pending:
                 self._pending.popleft()
             oldest = min([lookup.version, self._version] + ([self._pending[0]] if self._pending else []))
             self._touched = [(v, t) for v, t in self._touched if v >= oldest]
             since = [t for v, t in self._touched if v >= lookup.version]
-        rows = lookup.rows
+        rows, on_device = lookup.rows, lookup.device_rows
         if since and len(lookup.ids):
             stale = np.flatnonzero(np.isin(lookup.ids, np.concatenate(since)))
-            if len(stale):
+            if len(stale) and on_device is not None:  # only the stale rows cross again
+                fresh = torch.from_numpy(self._read(lookup.ids[stale]))
+                on_device.index_copy_(0, torch.from_numpy(stale).to(on_device.device), fresh.to(on_device.device))
+            elif len(stale):
                 rows[stale] = self._read(lookup.ids[stale])
         self._ids = lookup.ids
-        self._rows = torch.from_numpy(rows).requires_grad_(torch.is_grad_enabled())
+        self._rows = (torch.from_numpy(rows) if on_device is None else on_device).requires_grad_(
+            torch.is_grad_enabled())
         return self._rows
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -201,7 +212,8 @@ class EmbeddingTable:
         import torch.distributed as dist
 
         if self._rows is not None and self._rows.grad is not None and self._ids.size:
-            values = torch.cat([self._rows.grad, torch.ones(len(self._ids), 1)], dim=1)
+            # From a GPU, one copy back (and a wait for backward): the table and its update are on the host.
+            values = torch.cat([self._rows.grad.cpu(), torch.ones(len(self._ids), 1)], dim=1)
             ids = torch.from_numpy(self._ids).view(1, -1)
         else:  # no rows looked up: still join the all-reduce
             values, ids = torch.empty(0, self.dim + 1), torch.empty(1, 0, dtype=torch.int64)

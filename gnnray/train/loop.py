@@ -24,10 +24,9 @@ import collections
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 
 from gnnray.config import JobConfig
 from gnnray.errors import GnnrayError
@@ -38,12 +37,14 @@ from gnnray.pipeline.features import reader_for
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.seeds import plan_key, steps_per_epoch
 from gnnray.train import checkpoint
-from gnnray.train.embedding import EmbeddingTable, NodeEmbedding, ShardedEmbedding
+from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator
+from gnnray.train.layerwise import EmbeddingRows, infer, supports_layerwise
 from gnnray.train.model import model_for
 from gnnray.train.report import (METRICS_LOG, PrivateMemory, Progress, events, log_event, report, report_position,
                                  saved_config)
 from gnnray.train.setup import WorkerSetup
+from gnnray.train.step import train_epoch
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,10 @@ def train_loop(config: dict) -> None:
     if begin.checkpoint and embedding or isinstance(embedding, ShardedEmbedding):
         embedding.load(begin.checkpoint)
 
-    # 3. Ray Train: wrap the model in DDP and move it to this worker's device.
+    # 3. Ray Train: wrap the model in DDP and move it to this worker's device. GPU ranks take torch's fused
+    # SyncBatchNorm (the state is BatchNorm's either way, so checkpoints interchange).
+    if device.type == "cuda" and world > 1:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = ray.train.torch.prepare_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     best_val = 0.0
@@ -142,7 +146,8 @@ def train_loop(config: dict) -> None:
         shard = ray.train.get_dataset_shard("train")
     blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
     rows = (row for block in blocks for row in from_arrow(block))
-    evaluator = Evaluator(graph, cfg, rank, world, device, embedding, reader_for(graph, setup.graph.features))
+    evaluator = Evaluator(graph, cfg, rank, world, device, embedding, reader_for(graph, setup.graph.features),
+                          setup.graph)
     exported = TrainMetrics(cfg.run.name, rank)
     progress = Progress(setup.run_dir if rank == 0 else None)
     metrics_log = os.path.join(setup.run_dir, METRICS_LOG) if setup.run_dir and rank == 0 else None
@@ -156,7 +161,7 @@ def train_loop(config: dict) -> None:
     with Prefetcher(rows, features, device, depth=cfg.train.prefetch, embedding=embedding) as batches:
         for epoch in range(begin.epoch, cfg.train.epochs):
             # 5. Train the epoch (from the checkpoint's step if it was cut short), then evaluate (sampled, all
-            # ranks together).
+            # ranks together; after the last epoch also layer-wise, gnnray.train.layerwise).
             done = begin.step if epoch == begin.epoch else 0
             fetched = features.stats()
             saves.best_val = best_val
@@ -177,6 +182,9 @@ def train_loop(config: dict) -> None:
             last = epoch == cfg.train.epochs - 1
             if last:
                 metrics["test_acc"] = evaluator.accuracy(model, "test")
+                if cfg.train.eval == "layerwise" and supports_layerwise(model):
+                    metrics.update(final_layerwise(model, graph, setup, embedding, device, rank, world,
+                                                   metrics["test_acc"]))
             metrics["worker_uss_mb"] = memory.max_mb(device, fresh=last)
             if cpu_used:  # what the CPU plan gave this rank (README, "The CPU plan")
                 metrics.update(cpu_threads=cpu_used["torch_threads"], cpu_cores=cpu_used["cores"],
@@ -186,6 +194,18 @@ def train_loop(config: dict) -> None:
             save = saves.at_epoch_end(last)
             report(metrics, model, optimizer, rank, metrics_log, embedding, config_saved if save else None, save)
             saves.epoch_ended(save, time.monotonic() - started)
+
+
+def final_layerwise(model, graph, setup: WorkerSetup, embedding, device, rank: int, world: int,
+                    sampled_test_acc: float) -> dict:
+    """The final accuracies by layer-wise inference on the ranks (``--eval layerwise``), as the report holds them."""
+    inputs = [reader_for(graph, setup.graph.features)]
+    if embedding is not None:
+        inputs.append(EmbeddingRows(embedding))
+    result = infer(model, graph, inputs, setup.cfg.train.inference_batch_size, device, rank, world)
+    acc = result.accuracy
+    return {"eval": "layerwise", "val_acc_layerwise": acc["valid"], "test_acc": acc["test"],
+            "test_acc_sampled": sampled_test_acc, "inference_s": result.seconds}
 
 
 def of_epoch(batches: Iterator[MiniBatch], epoch: int, rank: int) -> Iterator[MiniBatch]:
@@ -327,50 +347,3 @@ class StepCheckpoints:
         raise GnnrayError(f"rank {self._rank} waited {self.HOLD_PAST_DEADLINE_S:.0f} s past the preemption deadline "
                           f"of nodes {', '.join(n[:8] for n in self._notice.preempted_node_ids)} and Ray Train did "
                           f"not restart the worker group")
-
-
-def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device,
-                exported: Optional[TrainMetrics] = None, embedding: Optional[EmbeddingTable] = None,
-                on_step: Optional[Callable[[int], None]] = None) -> dict:
-    """Take ``steps`` optimizer steps over ``batches``; return the epoch's metrics, reduced over the ranks.
-
-    A batch's ``x`` is the model's whole input: with ``embedding``, ``batches`` is a
-    :class:`Prefetcher` given it, which appended the embedding's rows.
-    """
-    from torchmetrics import MeanMetric, SumMetric
-    from torchmetrics.classification import MulticlassAccuracy
-
-    loss_avg, wait_avg = MeanMetric().to(device), MeanMetric().to(device)
-    seeds_sum, acc = SumMetric().to(device), MulticlassAccuracy(num_classes, average="micro").to(device)
-    model.train()
-    start = time.perf_counter()
-    wait = 0.0
-    for step in range(steps):
-        t = time.perf_counter()
-        mb = next(batches)
-        waited = time.perf_counter() - t
-        wait += waited
-        logits = model(mb.blocks(), mb.x)
-        # An empty batch (a split smaller than the ranks) still steps, with a
-        # zero loss, so every rank joins the same DDP all-reduces.
-        loss = F.cross_entropy(logits, mb.labels) if mb.num_seeds else logits.sum() * 0.0
-        optimizer.zero_grad(set_to_none=True)
-        if embedding:
-            embedding.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if embedding:
-            embedding.step()  # sparse all-reduce over the ranks, then DGL's SparseAdam on the rows' holders
-        if mb.num_seeds:
-            loss_avg.update(loss.detach(), weight=mb.num_seeds)
-            acc.update(logits.argmax(1), mb.labels)
-        seeds_sum.update(mb.num_seeds)
-        if exported:
-            exported.step(time.perf_counter() - t, waited, mb.num_seeds)
-        if on_step:
-            on_step(step + 1)
-    elapsed = time.perf_counter() - start
-    wait_avg.update(wait / elapsed)
-    seeds = float(seeds_sum.compute())
-    return dict(loss=float(loss_avg.compute()), train_acc=float(acc.compute()), epoch_time=elapsed,
-                seeds_per_s=seeds / elapsed, data_wait=float(wait_avg.compute()))

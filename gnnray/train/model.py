@@ -1,19 +1,26 @@
 """Stage 6 (train worker): the GNN.
 
-Input: DGL blocks and the input features of their first layer's source nodes.
-Output: logits of the seed nodes. Any ``nn.Module`` with ``forward(blocks, x)``
+Input: a mini-batch's layers (:class:`~gnnray.pipeline.batch.Layer`, CSC blocks
+in local ids) and the input features of their first layer's source nodes.
+Output: logits of the seed nodes. Any ``nn.Module`` with ``forward(layers, x)``
 plugs into the training loop the same way.
 
-Typed graphs: blocks carry each edge's relation as ``block.edata["etype"]``
-(:meth:`gnnray.pipeline.batch.MiniBatch.blocks`). The relational models
+The convolutions are plain torch (:mod:`gnnray.train.conv`), on CPU and CUDA
+alike; they compute what DGL's ``SAGEConv``, ``GraphConv`` and ``GATConv``
+compute, under the same parameter names, so checkpoints of the former
+DGL-module models load unchanged. DGL is their test oracle only: its PyPI
+wheel cannot run on a GPU.
+
+Typed graphs: layers carry each edge's relation (``Layer.etype``). The relational models
 (``--model rgat|rsage``) run one convolution per relation and sum them;
 sage, gat and gcn ignore the types. RGAT's BatchNorms are :class:`SyncBatchNorm`:
-their training statistics span all DDP ranks, as in the MAG240M example.
+their training statistics span all DDP ranks, as in the MAG240M example (on CUDA
+ranks the loop converts them to ``nn.SyncBatchNorm``).
 
 The built-in models (``--model sage|gat|gcn|rgat|rsage``) also expose
-``layer(i, block, h)``: layer ``i`` with the activation and dropout that
+``layer(i, layer, h)``: layer ``i`` with the activation and dropout that
 follow it, exactly as ``forward`` applies it. Layer-wise inference
-(:mod:`gnnray.inference.layerwise`) needs it to compute one layer for all nodes at a time.
+(:mod:`gnnray.train.layerwise`) needs it to compute one layer for all nodes at a time.
 """
 
 from __future__ import annotations
@@ -22,12 +29,13 @@ import torch
 from torch import nn
 
 from gnnray.errors import CheckpointError
+from gnnray.train.conv import Csr, GATConv, GraphConv, SAGEConv, attend, mean
 
 MODELS = ("sage", "gat", "gcn", "rgat", "rsage")
 
 
 class _LayeredGNN(nn.Module):
-    """A stack of graph convolutions, one per block, applied by :meth:`layer`."""
+    """A stack of graph convolutions, one per layer (block), applied by :meth:`layer`."""
 
     layers: nn.ModuleList
 
@@ -35,26 +43,27 @@ class _LayeredGNN(nn.Module):
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def forward(self, blocks: list, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, layers: list, x: torch.Tensor) -> torch.Tensor:
         h = x
-        for i, block in enumerate(blocks):
-            h = self.layer(i, block, h)
+        for i, layer in enumerate(layers):
+            h = self.layer(i, layer, h)
         return h
 
-    def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        """Apply layer ``i`` to ``block`` (source features ``h``); hidden layers include activation and dropout.
+    def layer(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
+        """Apply layer ``i`` to ``layer`` (a ``Layer``; source features ``h``); hidden layers include activation
+        and dropout.
 
         The default is ReLU then ``self.dropout`` after every hidden layer
         (GraphSAGE, GCN); GAT overrides it.
         """
-        h = self.layers[i](block, h)
+        h = self.layers[i](layer, h)
         if i < self.num_layers - 1:
             h = self.dropout(torch.relu(h))
         return h
 
 
 class GraphSAGE(_LayeredGNN):
-    """GraphSAGE on message-flow graphs: ``dgl.nn.SAGEConv`` (mean), ReLU, dropout.
+    """GraphSAGE on message-flow graphs: ``SAGEConv`` (DGL's, mean), ReLU, dropout.
 
     Args:
         in_feats: Input feature size.
@@ -66,15 +75,13 @@ class GraphSAGE(_LayeredGNN):
 
     def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int, dropout: float):
         super().__init__()
-        from dgl.nn import SAGEConv
-
         sizes = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
-        self.layers = nn.ModuleList(SAGEConv(a, b, "mean") for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(SAGEConv(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
         self.dropout = nn.Dropout(dropout)
 
 
 class GAT(_LayeredGNN):
-    """GAT (``dgl.nn.GATConv``): hidden layers concatenate ``heads`` heads, then ELU and dropout.
+    """GAT (``GATConv``, DGL's): hidden layers concatenate ``heads`` heads, then ELU and dropout.
 
     The output layer has one head, as the GAT paper's transductive models.
     Attention dropout is ``dropout`` too. Nodes without in-edges get only the
@@ -91,44 +98,20 @@ class GAT(_LayeredGNN):
 
     def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int, dropout: float, heads: int):
         super().__init__()
-        from dgl.nn import GATConv
-
         sizes = [in_feats] + [hidden * heads] * (num_layers - 1)
         outs = [(hidden, heads)] * (num_layers - 1) + [(num_classes, 1)]
-        self.layers = nn.ModuleList(GATConv(a, out, h, attn_drop=dropout, allow_zero_in_degree=True)
-                                    for a, (out, h) in zip(sizes, outs))
+        self.layers = nn.ModuleList(GATConv(a, out, h, attn_drop=dropout) for a, (out, h) in zip(sizes, outs))
         self.dropout = nn.Dropout(dropout)
 
-    def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        h = self.layers[i](_with_edge_ids(block), h)  # (dst nodes, heads, out)
+    def layer(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
+        h = self.layers[i](layer, h)  # (dst nodes, heads, out)
         if i < self.num_layers - 1:
             return self.dropout(nn.functional.elu(h.flatten(1)))
         return h.mean(1)
 
 
-def _with_edge_ids(block):
-    """``block`` with explicit edge ids if it was built from CSC arrays without them.
-
-    DGL 2.1's libxsmm CPU kernel for messages that read edge data (GAT's
-    attention weights) fails with "Check notnull: edges" on such blocks, as
-    ``MiniBatch.blocks`` builds them; edge ids ``0..nnz-1`` are what the
-    missing ids stand for.
-    """
-    import dgl
-
-    if not block.is_block or block.num_edges() == 0:
-        return block
-    indptr, indices, eids = block.adj_tensors("csc")
-    if eids.numel() == indices.numel():
-        return block
-    eids = torch.arange(indices.numel(), dtype=indices.dtype, device=indices.device)
-    return dgl.create_block(("csc", (indptr, indices, eids)),
-                            num_src_nodes=block.num_src_nodes(), num_dst_nodes=block.num_dst_nodes(),
-                            device=indices.device)
-
-
 class GCN(_LayeredGNN):
-    """GCN (``dgl.nn.GraphConv``) on blocks, ReLU, dropout.
+    """GCN (``GraphConv``, DGL's) on blocks, ReLU, dropout.
 
     Messages are averaged over a node's in-neighbors (``norm="right"``). The
     symmetric normalisation of the GCN paper divides by the source nodes'
@@ -147,41 +130,19 @@ class GCN(_LayeredGNN):
 
     def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int, dropout: float):
         super().__init__()
-        from dgl.nn import GraphConv
-
         sizes = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
-        self.layers = nn.ModuleList(GraphConv(a, b, norm="right", allow_zero_in_degree=True)
-                                    for a, b in zip(sizes[:-1], sizes[1:]))
+        self.layers = nn.ModuleList(GraphConv(a, b, norm="right") for a, b in zip(sizes[:-1], sizes[1:]))
         self.dropout = nn.Dropout(dropout)
 
 
-def relation_subgraphs(block, num_relations: int) -> list:
-    """``block``'s edges of each relation as blocks over all its nodes (relation 0: all, if it has no ``etype``).
+def relation_patterns(layer, num_relations: int) -> tuple[Csr, Csr]:
+    """``layer``'s edges split by relation (relation 0: all, if it has no ``etype``), see :meth:`Csr.by_relation`.
 
-    What the MAG240M example gets from ``edge_subgraph(etype == j,
-    relabel_nodes=False)``, built straight from the block's CSC: selecting a
-    relation's edges keeps their CSC order, so each is one mask, one cumsum
-    and a new block, several times cheaper than ``edge_subgraph`` on CPU.
+    Row ``r * num_dst + v`` holds ``v``'s in-edges of relation ``r``: what the
+    MAG240M example gets from one ``edge_subgraph(etype == r)`` per relation,
+    as one pattern, so each layer aggregates all relations in one product.
     """
-    import dgl
-
-    indptr, indices, eids = block.adj_tensors("csc")
-    if "etype" in block.edata:
-        etype = block.edata["etype"]
-        etype = etype[eids.long()] if eids.numel() else etype
-    else:
-        etype = torch.zeros_like(indices)
-    out = []
-    for j in range(num_relations):
-        keep = etype == j
-        kept_before = torch.cat([keep.new_zeros(1, dtype=indptr.dtype), torch.cumsum(keep, 0).to(indptr.dtype)])
-        picked = indices[keep]
-        # Explicit edge ids: see _with_edge_ids (GATConv's CPU kernel needs them).
-        ids = torch.arange(picked.numel(), dtype=indices.dtype, device=indices.device)
-        out.append(dgl.create_block(("csc", (kept_before[indptr.long()], picked, ids)),
-                                    num_src_nodes=block.num_src_nodes(), num_dst_nodes=block.num_dst_nodes(),
-                                    device=indices.device))
-    return out
+    return Csr.of(layer).by_relation(layer.etype, num_relations)
 
 
 class SyncBatchNorm(nn.BatchNorm1d):
@@ -218,9 +179,10 @@ class SyncBatchNorm(nn.BatchNorm1d):
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                # Tensors, not floats: reading them back would stall the step on a GPU.
+                momentum = (1.0 / self.num_batches_tracked).to(mean.dtype) if self.momentum is None else self.momentum
                 self.running_mean.lerp_(mean, momentum)
-                unbiased = var * float(count / (count - 1).clamp(min=1))  # as torch's running variance
+                unbiased = var * (count / (count - 1).clamp(min=1)).to(var.dtype)  # as torch's running variance
                 self.running_var.lerp_(unbiased, momentum)
         out = centered * torch.rsqrt(var + self.eps)
         return out * self.weight + self.bias if self.affine else out
@@ -267,24 +229,30 @@ class RGAT(_Relational):
     def __init__(self, in_feats: int, hidden: int, num_classes: int, num_layers: int, dropout: float, heads: int,
                  num_relations: int):
         super().__init__(num_relations)
-        from dgl.nn import GATConv
-
         width = hidden * heads
         sizes = [in_feats] + [width] * (num_layers - 1)
-        self.convs = nn.ModuleList(
-            nn.ModuleList(GATConv(a, hidden, heads, allow_zero_in_degree=True) for _ in range(num_relations))
-            for a in sizes)
+        self.convs = nn.ModuleList(nn.ModuleList(GATConv(a, hidden, heads) for _ in range(num_relations))
+                                   for a in sizes)
         self.skips = nn.ModuleList(nn.Linear(a, width) for a in sizes)
         self.norms = nn.ModuleList(SyncBatchNorm(width) for _ in sizes)
         self.mlp = nn.Sequential(nn.Linear(width, width), SyncBatchNorm(width), nn.ReLU(), nn.Dropout(dropout),
                                  nn.Linear(width, num_classes))
         self.dropout = nn.Dropout(dropout)
 
-    def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        x_dst = h[:block.num_dst_nodes()]
-        subgraphs = relation_subgraphs(block, len(self.convs[i]))
-        h = self.skips[i](x_dst) + sum(conv(g, (h, x_dst)).flatten(1) for conv, g in zip(self.convs[i], subgraphs))
-        h = self.dropout(nn.functional.elu(self.norms[i](h)))
+    def layer(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
+        convs = self.convs[i]
+        r, heads, d = len(convs), convs[0]._num_heads, convs[0]._out_feats
+        n, m = h.shape[0], layer.num_dst
+        _, spread = relation_patterns(layer, r)
+        # All relations' GATConvs at once: features (n, r, heads, d) from their weights side by side; each
+        # relation's edges read its own copy of the sources (spread's columns u * r + relation).
+        feat = nn.functional.linear(h, torch.cat([c.fc.weight for c in convs])).view(n, r, heads, d)
+        el = (feat * torch.stack([c.attn_l[0] for c in convs])).sum(-1)
+        er = (feat[:m] * torch.stack([c.attn_r[0] for c in convs])).sum(-1)
+        out = attend(spread, feat.view(n * r, heads, d), el.view(n * r, heads),
+                     er.transpose(0, 1).reshape(r * m, heads), convs[0].negative_slope)
+        out = out.reshape(r, m, heads * d).sum(0) + sum(c.bias for c in convs)
+        h = self.dropout(nn.functional.elu(self.norms[i](self.skips[i](h[:m]) + out)))
         return self.mlp(h) if i == self.num_layers - 1 else h
 
 
@@ -314,17 +282,18 @@ class RSAGE(_Relational):
                                    for a, b in zip(sizes[:-1], sizes[1:]))
         self.dropout = nn.Dropout(dropout)
 
-    def layer(self, i: int, block, h: torch.Tensor) -> torch.Tensor:
-        import dgl.function as fn
-
-        out = self.selfs[i](h[:block.num_dst_nodes()])
+    def layer(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
+        selfs, convs = self.selfs[i], self.convs[i]
+        r, n, m = len(convs), h.shape[0], layer.num_dst
+        plain, spread = relation_patterns(layer, r)
+        weight = torch.stack([lin.weight for lin in convs])  # (r, out, in)
+        out = selfs(h[:m])
         # Project before averaging when that narrows the rows to move, as SAGEConv does.
-        narrow = self.selfs[i].in_features > self.selfs[i].out_features
-        for linear, g in zip(self.convs[i], relation_subgraphs(block, len(self.convs[i]))):
-            with g.local_scope():
-                g.srcdata["h"] = linear(h) if narrow else h
-                g.update_all(fn.copy_u("h", "m"), fn.mean("m", "h"))
-                out = out + (g.dstdata["h"] if narrow else linear(g.dstdata["h"]))
+        if selfs.in_features > selfs.out_features:
+            proj = nn.functional.linear(h, weight.flatten(0, 1)).view(n * r, selfs.out_features)  # row u * r + j
+            out = out + mean(spread, proj).view(r, m, selfs.out_features).sum(0)
+        else:
+            out = out + torch.einsum("rmi,roi->mo", mean(plain, h).view(r, m, selfs.in_features), weight)
         if i < self.num_layers - 1:
             out = self.dropout(torch.relu(out))
         return out

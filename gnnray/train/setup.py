@@ -35,7 +35,7 @@ class WorkerSetup:
             its ``metrics.jsonl`` and records progress there; the driver
             prints both as they arrive.
         model_factory: ``(in_feats, num_classes, cfg) -> nn.Module`` whose
-            ``forward(blocks, x)`` returns logits; ``--model`` by default.
+            ``forward(layers, x)`` returns logits; ``--model`` by default.
         embedding_owners: With ``--feature-shards`` and ``--embedding-dim``:
             the owners of the embedding table's shards (``train.embedding.create_owners``).
         cpu: The job's CPU plan (:mod:`gnnray.cpus`); ``None`` leaves Ray's defaults.

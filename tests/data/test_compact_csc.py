@@ -43,8 +43,8 @@ def neighbor_lists(indptr: np.ndarray, indices: np.ndarray, etype=None) -> list:
 @pytest.mark.parametrize("self_loops", [False, True])
 def test_build_stores_int32_with_the_int64_builders_neighbor_lists(reverse, self_loops):
     p = parts(typed=False)
-    want = build_csc(p.src.copy(), p.dst.copy(), p.num_nodes, reverse, self_loops)  # the int64 builder
-    assert want[0].dtype == want[1].dtype == np.int64
+    want = build_csc(p.src.copy(), p.dst.copy(), p.num_nodes, reverse, self_loops)
+    assert want[0].dtype == want[1].dtype == np.int32  # written in structure_dtypes from the start
     graph = p.build(reverse, self_loops)
     assert graph.indptr.dtype == graph.indices.dtype == np.int32
     np.testing.assert_array_equal(graph.indptr, want[0])

@@ -160,4 +160,4 @@ def test_chunked_bidirected_csc_equals_the_edge_list_path(self_loops, chunk):
     for v in range(n):  # the same in-neighbors, each sorted by id
         got, ref = indices[indptr[v]:indptr[v + 1]], ref_indices[ref_indptr[v]:ref_indptr[v + 1]]
         np.testing.assert_array_equal(got, np.sort(ref))
-    assert indices.dtype == np.int64 and indptr.dtype == np.int64
+    assert indices.dtype == np.int32 and indptr.dtype == np.int32  # structure_dtypes, written so directly

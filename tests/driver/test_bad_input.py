@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 from ray import cloudpickle
 
 from conftest import mapping_perms
-from drills import SMALL, JobThread, logged, own_stderr
+from drills import REPO, SMALL, JobThread, logged, own_stderr
 from gnnray.driver import preflight as cluster
 from gnnray.config import parse_args
 from gnnray.errors import ClusterError
@@ -83,7 +86,7 @@ class _Recorder(torch.nn.Module):
     def forward(self, blocks, x):
         import ray.train
 
-        n = blocks[-1].num_dst_nodes()
+        n = blocks[-1].num_dst
         rank = ray.train.get_context().get_world_rank()
         with open(f"{self.log_dir}/rank{rank}.jsonl", "a") as f:
             f.write(json.dumps({"train": self.training, "ids": x[:n, 0].long().tolist()}) + "\n")
@@ -268,14 +271,34 @@ def test_a_cluster_that_refuses_the_driver_is_a_clear_error(monkeypatch):
 
     for name in ("DGLBACKEND", "RAY_TRAIN_ENABLE_STATE_TRACKING", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"):
         monkeypatch.delenv(name, raising=False)  # init_ray sets them: restored after the test
-    monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refused)
-    with pytest.raises(ClusterError) as err:
-        launch.init_ray(parse_args([]))
-    for text in ("RAY_ADDRESS=10.1.2.3:6379", "Failed to connect", "RAY_ADDRESS=auto", "RAY_AUTH_TOKEN",
+    with socket.socket() as listening:  # something answers at the address (the driver's first probe passes)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        with pytest.raises(ClusterError) as err:
+            launch.init_ray(parse_args([]))
+    for text in (f"RAY_ADDRESS={address}", "Failed to connect", "RAY_ADDRESS=auto", "RAY_AUTH_TOKEN",
                  "ray job submit"):
         assert text in str(err.value), str(err.value)
+
+
+def test_nothing_listening_at_ray_address_fails_at_once(tmp_path):
+    """The command users run, with RAY_ADDRESS where nothing listens: one line naming the address and what to
+    do, where Ray alone retries for minutes. Nothing starts Ray (no lock needed)."""
+    with socket.socket() as s:  # a port nobody listens on (bound, never listening, then closed)
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    out = subprocess.run([sys.executable, "jobs/train_arxiv.py", *SMALL, "--storage-path", str(tmp_path)],
+                         cwd=REPO, env=dict(os.environ, RAY_ADDRESS=address), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip() == (f"gnnray: error: RAY_ADDRESS={address}: no Ray cluster answers there (connection "
+                                  f"refused within 5 s); start one (`ray start --head --port {address[10:]}` on "
+                                  f"127.0.0.1), set RAY_ADDRESS to the address `ray status` prints on a running "
+                                  f"cluster's head, or unset RAY_ADDRESS to run on a new local cluster"), out.stderr
 
 
 # ----------------------------------------------------------------------------- drill 9: object store too small

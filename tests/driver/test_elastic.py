@@ -31,12 +31,16 @@ from gnnray.train.report import WORKERS_LOG
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the recording model reaches the workers by value
 
 EVERY = 4  # --checkpoint-every
-EPOCHS = 16
+EPOCHS = 12  # at most about 7 go by before the last resize (the drain's 15 s at 3 workers: 3 at most)
 ELASTIC = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
            "--batch-size", "32", "--hidden", "16", "--sampler-actors", "1,1", "--eval", "sampled",
            "--checkpoint-interval", "0", "--cpus-per-worker", "4", "--num-workers", "1,3", "--resize-interval", "1",
            "--checkpoint-every", str(EVERY)]
 NODE_CPUS = 5  # one 4-CPU train worker and one CPU to spare
+DRAIN_S = 15  # the spot notice's deadline: room for the notice (1 s polls), a checkpoint and a few steps
+# The worker groups' sizes, in order: the two nodes that join are seen together (1 -> 3) or, when Ray Data's
+# autoscaling coordinator refreshes its view of the nodes (every 20 s) between the two, one at a time.
+GROUPS = ([1, 3, 2, 1], [1, 2, 3, 2, 1])
 # Ray Train's knobs, read from the driver's environment: look for drained nodes every second, and give up a
 # worker group that does not fit within 15 s (its count can lag a lost node by the autoscaling coordinator's
 # 20 s refresh) rather than 60.
@@ -65,7 +69,7 @@ class RecordingModel(torch.nn.Module):
             slow = os.path.join(self.record_dir, f"slow-{world}")
             if os.path.exists(slow):
                 time.sleep(float(open(slow).read()))
-            seeds = x[: blocks[-1].num_dst_nodes()].detach().cpu().numpy().copy()
+            seeds = x[: blocks[-1].num_dst].detach().cpu().numpy().copy()
             np.save(os.path.join(self.record_dir, f"{time.time():.6f}_{os.getpid()}_{world}_{rank}.npy"), seeds)
         return self.net(blocks, x)
 
@@ -180,7 +184,7 @@ _RUNS: dict = {}
 @pytest.fixture(scope="module")
 def scenario(cluster, ray_cluster, tmp_path_factory) -> Scenario:
     """One elastic run, 1 to 3 workers, through every resize: it starts on the head alone (1 worker); after
-    epoch 1 two nodes join (it grows to 3); after an epoch at 3 one is drained with a 25 s deadline and removed
+    epoch 1 two nodes join (it grows to 3); after an epoch at 3 one is drained with a 15 s deadline and removed
     at the deadline (2); during its first epoch at 2 the other is removed without notice (1); it then finishes.
     Steps at 3 and 2 workers are slowed to 0.25 s, so that the run is still going at each of these points."""
     if "run" not in _RUNS:
@@ -223,14 +227,15 @@ def _scenario(cluster, tmp_path_factory) -> Scenario:
             # 3 workers; after an epoch, a spot notice for one added node, removed at its deadline.
             wait_until(lambda: len(epochs_at(3)) >= 1, JOB_TIMEOUT_S, "an epoch at 3 workers", job)
             drained = added[0]
-            deadline = time.time() + 25
+            deadline = time.time() + DRAIN_S
             drain(drained.node_id, deadline)
             wait_until(lambda: time.time() >= deadline, 60, "the drain deadline", job)
             cluster.remove_node(drained)
-            wait_until(lambda: any(e["event"] == "start" and e["world_size"] == 2 for e in events(run_dir)),
-                       JOB_TIMEOUT_S, "the group of 2", job)
-            wait_until(lambda: any(s.world == 2 for s in recorded_steps_fast(records)), JOB_TIMEOUT_S,
-                       "a step at 2 workers", job)
+            # After the deadline: a group of 2 may also have come and gone while the two nodes joined.
+            wait_until(lambda: any(e["event"] == "start" and e["world_size"] == 2 and e["time"] > deadline
+                                   for e in events(run_dir)), JOB_TIMEOUT_S, "the group of 2", job)
+            wait_until(lambda: any(s.world == 2 and s.time > deadline for s in recorded_steps_fast(records)),
+                       JOB_TIMEOUT_S, "a step at 2 workers", job)
             seconds["drain deadline"] = _resize_seconds(run_dir, records, deadline, 2)
 
             # 2 workers; during the group's first epoch, the other added node goes without notice.
@@ -276,11 +281,11 @@ def test_run_grows_and_shrinks_and_finishes(scenario):
     job = scenario.job
     assert job.error is None, repr(job.error)
     starts = [e for e in events(scenario.storage / scenario.name) if e["event"] == "start"]
-    assert [e["world_size"] for e in starts] == [1, 3, 2, 1], starts
+    assert [e["world_size"] for e in starts] in GROUPS, starts
     lines = logged(scenario.storage, scenario.name)
     assert sorted({m["epoch"] for m in lines}) == list(range(EPOCHS))
     assert {1, 3} <= {m["world_size"] for m in lines} <= {1, 2, 3}  # the group of 2 may end within its epoch
-    assert job.summary.metrics["epoch"] == EPOCHS - 1 and job.summary.restarts == 3
+    assert job.summary.metrics["epoch"] == EPOCHS - 1 and job.summary.restarts == len(starts) - 1
     print("resize timings (s):", scenario.seconds)
 
 
@@ -291,20 +296,22 @@ def test_every_epoch_trains_each_seed_once_apart_from_replays(scenario):
     steps = recorded_steps(scenario.records, scenario.args)
     per_epoch = steps_per_epoch(scenario.args)
     groups = attempts(steps, per_epoch)
-    assert [w for w, _ in groups] == [1, 3, 2, 1]
+    assert [w for w, _ in groups] in GROUPS
     trained = Counter(g for _, gs in groups for g in gs)
     assert sorted(trained) == list(range(EPOCHS * per_epoch))  # every step of every epoch, all ranks of its group
-    grew, drained, lost = replays(groups)
+    *grew, drained, lost = replays(groups)
     assert drained == 0, f"the drained node's group trained {drained} step(s) the next group trained again"
-    assert grew <= EVERY and lost <= EVERY, (grew, lost)
-    assert sum(trained.values()) - len(trained) == grew + lost  # no other step twice
+    assert all(g <= EVERY for g in grew) and lost <= EVERY, (grew, lost)
+    assert sum(trained.values()) - len(trained) == sum(grew) + lost  # no other step twice
 
 
 @pytest.mark.slow
 def test_console_and_metrics_say_each_resize(scenario):
     out = scenario.out
     assert "workers: started 1, at epoch 0 step 0" in out
-    assert "workers: 1 -> 3 (grew: nodes joined), resuming at epoch" in out
+    assert "workers: 1 -> 3 (grew: nodes joined), resuming at epoch" in out or (
+        "workers: 1 -> 2 (grew: nodes joined), resuming at epoch" in out
+        and "workers: 2 -> 3 (grew: nodes joined), resuming at epoch" in out)
     assert f"preemption: node {scenario.drained[:8]} drains in" in out
     assert f"workers: 3 -> 2 (shrank: node {scenario.drained[:8]} drained), resuming at epoch" in out
     assert "workers: 2 -> 1 (shrank: a node or a worker was lost), resuming at epoch" in out

@@ -144,7 +144,7 @@ class _FailsOnRank1(torch.nn.Module):
             self.steps += 1
             if self.steps == 3 and ray.train.get_context().get_world_rank() == 1:
                 raise RuntimeError("drill 11: a user error on rank 1")
-        return self.fc(x[: blocks[-1].num_dst_nodes()])
+        return self.fc(x[: blocks[-1].num_dst])
 
 
 def test_exception_on_one_rank_ends_the_run(ray_cluster, tmp_path):

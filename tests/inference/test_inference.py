@@ -1,4 +1,5 @@
-"""Layer-wise full-neighbor inference: exact against a full-graph forward, from checkpoints, and jobs/predict.py."""
+"""Layer-wise full-neighbor inference: exact against a full-graph forward, on the workers, from checkpoints, and
+jobs/predict.py."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,68 +15,101 @@ import pytest
 import torch
 
 from conftest import shared_dataset, tiny_graph
-from gnnray.train import checkpoint
-from gnnray.driver import predict
-from gnnray.inference import layerwise as inference
 from gnnray.config import parse_args
 from gnnray.data.store import publish
+from gnnray.driver import predict
+from gnnray.inference import layerwise as inference
+from gnnray.pipeline.batch import Layer
+from gnnray.pipeline.features import LocalRows
+from gnnray.train import checkpoint
+from gnnray.train.layerwise import full_block, infer
 from gnnray.train.model import build_model
+from plain_sage import mean_sage
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def full_graph_forward(model, graph, x: np.ndarray) -> torch.Tensor:
-    """The reference: every layer on the whole graph at once, in one process (no blocks, no chunks)."""
-    import dgl
+def whole_graph(graph) -> Layer:
+    """The whole graph as one block: every node a destination, every in-edge (typed: with its relation)."""
+    etype = None if graph.etype is None else torch.from_numpy(graph.etype.astype(np.int64))
+    return Layer(torch.from_numpy(graph.indptr.astype(np.int64)), torch.from_numpy(graph.indices.astype(np.int64)),
+                 graph.num_nodes, etype)
 
-    dst = np.repeat(np.arange(graph.num_nodes), np.diff(graph.indptr))
-    g = dgl.graph((torch.from_numpy(graph.indices), torch.from_numpy(dst)), num_nodes=graph.num_nodes)
+
+def full_graph_forward(model, graph, x: np.ndarray, layers: Optional[int] = None) -> torch.Tensor:
+    """The reference: the first ``layers`` layers (all by default) on the whole graph at once, no chunks."""
+    h = torch.from_numpy(x)
     with torch.no_grad():
-        return model([g] * model.num_layers, torch.from_numpy(x))
+        for i in range(model.num_layers if layers is None else layers):
+            h = model.layer(i, whole_graph(graph), h)
+    return h
 
 
-@pytest.mark.parametrize("name", ["sage", "gat", "gcn"])
+def _model(name: str, in_feats: int, num_classes: int, layers: int, hidden: int):
+    torch.manual_seed(0)
+    if name == "mean-sage":  # plain torch, defined in the tests
+        return mean_sage(in_feats, hidden, num_classes, layers).eval()
+    return build_model(in_feats, num_classes, layers, hidden, 0.5, name=name, heads=2).eval()
+
+
+@pytest.mark.parametrize("name", ["mean-sage", "sage", "gat", "gcn"])
 def test_chunked_layers_equal_the_full_graph_forward(name):
     """Layer by layer, in chunks of 7 nodes with all their in-neighbors: the full-graph result within 1e-5."""
     graph = tiny_graph(num_nodes=60, num_edges=300, feat_dim=5)
-    torch.manual_seed(0)
-    model = build_model(5, graph.num_classes, 3, 8, 0.5, name=name, heads=2).eval()
-    h = graph.feat
-    for i in range(model.num_layers):
-        runner = inference.LayerRunner(graph, model, i, [h])
-        h = torch.cat([runner(np.arange(a, min(a + 7, graph.num_nodes)))[0]
-                       for a in range(0, graph.num_nodes, 7)]).numpy()
-    np.testing.assert_allclose(h, full_graph_forward(model, graph, graph.feat).numpy(), rtol=0, atol=1e-5)
+    model = _model(name, 5, graph.num_classes, 3, 8)
+    got = infer(model, graph, [LocalRows(graph.feat)], 7, "cpu", keep_input=True)
+    want = full_graph_forward(model, graph, graph.feat)
+    np.testing.assert_array_equal(got.pred, want.argmax(1).numpy())
+    np.testing.assert_allclose(got.last_input, full_graph_forward(model, graph, graph.feat, 2).numpy(), rtol=0,
+                               atol=1e-5)
+    for k, split in enumerate(("train", "valid", "test")):
+        ids = graph.split(split)
+        assert got.correct[k] == np.sum(want.argmax(1).numpy()[ids] == graph.label[ids]) and got.total[k] == len(ids)
 
 
-def test_layerwise_job_equals_the_full_graph_forward(ray_cluster, tmp_path):
-    """The Ray Data job (features + embedding table as input, chunks of 16) writes exact predictions and embeddings."""
+@pytest.mark.parametrize("typed", [False, True])
+def test_full_block_is_the_all_neighbor_sample(typed):
+    """A chunk's block from the CSC has the edges (and relations) GraphBolt samples with fanout -1."""
+    from gnnray.data.synthetic import synthetic_hetero_parts
+    from gnnray.pipeline.sampler import Sampler
+
+    graph = synthetic_hetero_parts(300, 4, 8, 8, 0).build() if typed else tiny_graph(num_nodes=90, num_edges=700)
+    for a, b in [(0, graph.num_nodes), (0, 13), (40, 71), (graph.num_nodes - 5, graph.num_nodes)]:
+        block, src = full_block(graph, a, b)
+        src = np.arange(graph.num_nodes) if src is None else src
+        assert block.num_dst == b - a and np.array_equal(src[:b - a], np.arange(a, b))
+        assert len(np.unique(src)) == len(src) == block.num_src
+        mb = Sampler(graph, [-1]).sample(np.arange(a, b))
+        assert _edges(block, src) == _edges(mb.layers[0], mb.input_nodes.numpy())
+
+
+def _edges(layer: Layer, src: np.ndarray) -> list:
+    dst = np.repeat(np.arange(layer.num_dst), np.diff(layer.indptr.numpy()))
+    etype = [0] * len(dst) if layer.etype is None else layer.etype.tolist()
+    return sorted(zip(dst.tolist(), src[layer.indices.numpy()].tolist(), etype))
+
+
+@pytest.mark.parametrize("name", ["mean-sage", "sage"])
+def test_layerwise_task_equals_the_full_graph_forward(ray_cluster, tmp_path, name):
+    """The Ray task (features + embedding table as input, chunks of 16) writes exact predictions and embeddings."""
     graph = tiny_graph(num_nodes=90, num_edges=500, feat_dim=3)
     embedding = np.random.default_rng(1).standard_normal((90, 2)).astype(np.float32)
-    torch.manual_seed(0)
-    model = build_model(5, graph.num_classes, 2, 6, 0.5).eval()
+    model = _model(name, 5, graph.num_classes, 2, 6)
     out = tmp_path / "preds.parquet"
-    result = inference.run(graph, publish(graph), model, embedding=embedding, work_dir=str(tmp_path / "work"),
-                           batch_size=16, output=str(out), with_embeddings=True)
+    result = inference.run(graph, publish(graph), model, embedding=embedding, batch_size=16, output=str(out),
+                           with_embeddings=True)
 
     x = np.concatenate([graph.feat, embedding], axis=1)
     logits = full_graph_forward(model, graph, x)
     table = pq.read_table(out).to_pydict()
     assert table["id"] == list(range(90))  # every node once, in id order
     np.testing.assert_array_equal(table["pred"], logits.argmax(1).numpy())
-    hidden = model.layer(0, _full_block(graph), torch.from_numpy(x)).detach().numpy()  # the output layer's input
+    hidden = full_graph_forward(model, graph, x, 1).numpy()  # the output layer's input
     np.testing.assert_allclose(np.array(table["embedding"]), hidden, rtol=0, atol=1e-5)
     for split in ("train", "valid", "test"):
         ids = graph.split(split)
         assert result.accuracy[split] == pytest.approx(np.mean(logits.argmax(1).numpy()[ids] == graph.label[ids]))
-    assert os.listdir(tmp_path / "work") == []  # the layers' files are removed
-
-
-def _full_block(graph):
-    import dgl
-
-    dst = np.repeat(np.arange(graph.num_nodes), np.diff(graph.indptr))
-    return dgl.graph((torch.from_numpy(graph.indices), torch.from_numpy(dst)), num_nodes=graph.num_nodes)
+    assert os.listdir(tmp_path) == ["preds.parquet"]
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +195,16 @@ def test_layerwise_needs_a_per_layer_model(tmp_path):
         inference.run(graph, None, Plain())
 
 
-def test_layer_actor_opens_its_files_at_the_first_batch(ray_cluster, tmp_path):
-    """An actor that starts as its layer ends (and gets no batch) must not fail on files already removed."""
-    import ray
+def test_finished_run_resumed_gets_layerwise_accuracies(ray_cluster, tmp_path):
+    """A run that finished under --eval sampled, started again under --eval layerwise: one Ray task adds them."""
+    from gnnray.driver.fit import run
 
-    graph = tiny_graph()
-    model = build_model(graph.feat_dim, graph.num_classes, 2, 8, 0.0).eval()
-    removed = str(tmp_path / "layer0.npy")  # the driver removed it after the layer: the actor starts anyway
-    actor = inference._LayerActor(publish(graph), [ray.put(model)], 1, removed, None, None, False)
-    with pytest.raises(FileNotFoundError):  # a batch would need it
-        actor({"id": np.arange(4)})
-    np.save(removed, np.zeros((graph.num_nodes, 8), dtype=np.float32))
-    out = actor({"id": np.arange(4)})
-    assert out["id"].tolist() == [0, 1, 2, 3] and out["pred"].shape == (4,)
+    args = ["--dataset", "synthetic", "--synthetic-nodes", "600", "--synthetic-feat-dim", "8", "--fanouts", "5,5",
+            "--batch-size", "200", "--hidden", "16", "--num-workers", "1", "--sampler-actors", "1", "--epochs", "1",
+            "--storage-path", str(tmp_path), "--name", "done"]
+    sampled = run(parse_args(args + ["--eval", "sampled"]))
+    assert "eval" not in sampled.metrics
+    again = run(parse_args(args))  # nothing to train: the driver's fallback computes them
+    assert again.metrics["eval"] == "layerwise" and again.metrics["test_acc_sampled"] == sampled.test_acc
+    assert 0 <= again.test_acc <= 1 and again.metrics["inference_s"] > 0
+    assert run(parse_args(args)).metrics == again.metrics  # computed once, read back from meta.json

@@ -284,3 +284,92 @@ def test_cuda_consumer_stream_waits_for_the_copy():
         n += 1
     assert n == len(rows)
     close_or_fail(p)
+
+
+def test_float16_features_arrive_as_float32(feat):
+    """A float16 table is widened (on the host here, on a GPU after the copy): the model gets float32."""
+    half = feat.astype(np.float16)
+    rows = [make_packed(i, 4) for i in range(3)]
+    with Prefetcher(rows, half, "cpu", depth=2) as p:
+        for i, mb in enumerate(p):
+            check(mb, rows[i], half.astype(np.float32))
+
+
+def test_int32_rows_deliver_int64_labels(feat):
+    rows = [MiniBatch.unpack(torch.from_numpy(make_packed(i, 5))).to("cpu").pack(np.int32) for i in range(3)]
+    with Prefetcher(rows, feat, "cpu", depth=2) as p:
+        for i, mb in enumerate(p):
+            assert mb.labels.dtype == torch.int64 and mb.seeds.dtype == torch.int32
+            check(mb, rows[i], feat)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_cuda_float16_crosses_as_float16_and_labels_as_packed(feat):
+    """What crosses PCIe is what is stored: the pinned buffers hold float16 features and int32 ids and labels;
+    the device widens them."""
+    half = feat.astype(np.float16)
+    rows = [MiniBatch.unpack(torch.from_numpy(make_packed(i, 5))).to("cpu").pack(np.int32) for i in range(6)]
+    with Prefetcher(rows, half, "cuda", depth=2) as p:
+        for i, mb in enumerate(p):
+            assert mb.x.is_cuda and mb.x.dtype == torch.float32 and mb.labels.dtype == torch.int64
+            check(mb, rows[i], half.astype(np.float32))
+        used = [s for s in p._slots if s._feat.numel() > 0]
+        assert used and all(s._feat.dtype == torch.float16 and s._feat.is_pinned() for s in used)
+        assert all(s._ids.dtype == torch.int32 and s._ids.is_pinned() for s in used)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_cuda_thread_works_on_the_prefetchers_gpu(feat):
+    """The prefetch thread sets its device: on GPU k it makes no context on GPU 0 (the last GPU here; on a
+    one-GPU machine this checks only that the thread names it)."""
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    seen = []
+
+    def source():
+        for i in range(3):
+            seen.append(torch.cuda.current_device())  # runs on the prefetch thread
+            yield make_packed(i, 3)
+
+    with Prefetcher(source(), feat, dev, depth=1) as p:
+        for mb in p:
+            assert mb.x.device == dev
+    assert seen == [dev.index] * 3
+    assert p._stream.device == dev
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason=NO_GPU))])
+def test_embedding_rows_ahead_are_brought_up_to_date(device):
+    """Rows read (on a GPU: and copied) on the prefetch thread are brought up to date when the batch is taken:
+    the table ends as with lookups at each step on the CPU."""
+    from gnnray.train.embedding import NodeEmbedding
+
+    dim, batches = 4, 10
+    rows = [make_packed(i, 5, num_extra=25) for i in range(batches)]  # 30 of 60 nodes each: rows are shared
+    target = torch.from_numpy(np.random.default_rng(1).standard_normal((NUM_NODES, FEAT_DIM + dim),
+                                                                       dtype=np.float32))
+
+    def loss(x, ids):
+        return ((x - target.to(x.device)[ids.long().to(x.device)]) ** 2).sum()
+
+    # The reference: lookups at each step, on the CPU.
+    feats = np.random.default_rng(2).standard_normal((NUM_NODES, FEAT_DIM)).astype(np.float32)
+    now = NodeEmbedding(NUM_NODES, dim, 0.1, 0)
+    for r in rows:
+        mb = expected(r)
+        x = torch.cat([torch.from_numpy(feats[mb.input_nodes.numpy()]), now(mb.input_nodes)], dim=1)
+        loss(x, mb.input_nodes).backward()
+        now.step()
+    ahead = NodeEmbedding(NUM_NODES, dim, 0.1, 0)
+    stale, complete = [], ahead.complete
+    ahead.complete = lambda lookup: (stale.append(lookup.version < ahead._version), complete(lookup))[1]
+    on_device = []
+    with Prefetcher(rows, feats, device, depth=3, embedding=ahead) as p:
+        for mb in p:
+            time.sleep(0.05)  # let the thread read the next batches' rows before this step lands
+            on_device.append(ahead._rows.device.type == device)
+            loss(mb.x, mb.input_nodes).backward()
+            ahead.step()
+    assert all(on_device) and len(on_device) == batches
+    assert sum(stale) >= 1  # some rows were read ahead of a step that changed them
+    np.testing.assert_allclose(ahead.store.weight.numpy(), now.store.weight.numpy(), rtol=0, atol=1e-6)

@@ -138,7 +138,7 @@ def test_train_and_eval_metrics_are_over_all_ranks(tmp_path):
     mb = Sampler(graph, cfg.sampler.fanouts).sample(valid)  # all of them in one batch
     x = torch.from_numpy(graph.feat[mb.input_nodes.numpy()])
     with torch.no_grad():
-        hit = (model(mb.blocks(), x).argmax(1) == mb.labels).numpy()
+        hit = (model(mb.layers, x).argmax(1) == mb.labels).numpy()
     assert torch.equal(mb.seeds, torch.from_numpy(valid))
     assert abs(res[0]["val_acc"] - hit.mean()) < TOL, (res[0]["val_acc"], hit.mean())
     # Each rank's own share (every other node) scores differently from the whole.

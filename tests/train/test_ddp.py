@@ -58,7 +58,7 @@ def test_ranks_step_on_averaged_gradients(ray_cluster, tmp_path):
             import ray.train
 
             rank = ray.train.get_context().get_world_rank()
-            seeds = x[: blocks[-1].num_dst_nodes()]
+            seeds = x[: blocks[-1].num_dst]
             if not self.training:  # evaluation, after the epoch's last step
                 torch.save({k: v.detach().cpu().clone() for k, v in self.state_dict().items()},
                            os.path.join(record, f"weights_rank{rank}.pt"))

@@ -12,30 +12,33 @@ import pytest
 from gnnray.config import JobConfig, ModelConfig, SamplerConfig, TrainConfig, parse_args
 from gnnray.train import checkpoint, evaluate
 from gnnray.train.evaluate import Evaluator
-from gnnray.train.model import model_for
+from plain_sage import mean_sage
 from gnnray.train.report import METRICS_LOG, PrivateMemory
 
 
-def test_evaluation_in_one_batch_on_this_thread_equals_several(graph, monkeypatch):
+def test_evaluation_in_one_batch_on_this_thread_equals_several(ray_cluster, graph, monkeypatch):
     import torch
+
+    from gnnray.data.store import publish
 
     # All neighbors: sampling is deterministic, so both ways must agree exactly.
     one = JobConfig(sampler=SamplerConfig(fanouts=(-1, -1)), model=ModelConfig(hidden=8, dropout=0.0),
                     train=TrainConfig(eval_batch_size=4096))
     several = replace(one, train=TrainConfig(eval_batch_size=3))
+    handle = publish(graph)
     torch.manual_seed(0)
-    model = model_for(graph.feat_dim, graph.num_classes, one)
-    want = Evaluator(graph, several, 0, 1, "cpu").accuracy(model, "valid")
+    model = mean_sage(graph.feat_dim, 8, graph.num_classes)
+    want = Evaluator(graph, several, 0, 1, "cpu", handle=handle).accuracy(model, "valid")
 
     def no_thread(*args, **kwargs):
         raise AssertionError("a single evaluation batch started a prefetch thread")
 
     monkeypatch.setattr(evaluate, "Prefetcher", no_thread)
-    evaluator = Evaluator(graph, one, 0, 1, "cpu")
+    evaluator = Evaluator(graph, one, 0, 1, "cpu", handle=handle)
     assert [evaluator.accuracy(model, "valid") for _ in range(2)] == [want, want]  # its reused buffer too
 
 
-def test_eval_fanouts_are_what_evaluation_draws(graph):
+def test_eval_fanouts_are_what_evaluation_draws(ray_cluster, graph):
     """Trained at 1 neighbor per layer, evaluated with all: the same accuracy as with --fanouts=-1,-1 itself.
 
     Evaluation with the training draw of one neighbor differs (a 1-neighbor draw of the tiny graph's
@@ -43,10 +46,14 @@ def test_eval_fanouts_are_what_evaluation_draws(graph):
     """
     import torch
 
+    from gnnray.data.store import publish
+
+    handle = publish(graph)
+
     def accuracy(cfg):
         torch.manual_seed(0)
-        model = model_for(graph.feat_dim, graph.num_classes, cfg)
-        return Evaluator(graph, cfg, 0, 1, "cpu").accuracy(model, "valid")
+        model = mean_sage(graph.feat_dim, 8, graph.num_classes)
+        return Evaluator(graph, cfg, 0, 1, "cpu", handle=handle).accuracy(model, "valid")
 
     model = ModelConfig(hidden=8, dropout=0.0)
     exact = accuracy(JobConfig(sampler=SamplerConfig(fanouts=(-1, -1)), model=model))

@@ -1,4 +1,4 @@
-"""Models selectable by --model (sage, gat, gcn): blocks in, logits out; they train through the job."""
+"""Models selectable by --model (sage, gat, gcn): layers in, logits out; they train through the job."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_build_model_switch():
 
 @pytest.mark.parametrize("name", ["sage", "gat", "gcn"])
 def test_models_learn_on_sampled_blocks(name):
-    """forward(blocks, x) gives seed logits; nodes without in-edges are fine; a few steps fit a tiny graph."""
+    """forward(layers, x) gives seed logits; nodes without in-edges are fine; a few steps fit a tiny graph."""
     graph = tiny_graph(num_nodes=80, num_edges=240, feat_dim=6)
     assert np.any(np.diff(graph.indptr) == 0)  # some nodes have no in-edges
     import dgl.graphbolt
@@ -45,7 +45,7 @@ def test_models_learn_on_sampled_blocks(name):
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     losses = []
     for _ in range(30):
-        logits = model(mb.blocks(), x)
+        logits = model(mb.layers, x)
         assert logits.shape == (80, graph.num_classes) and torch.isfinite(logits).all()
         loss = F.cross_entropy(logits, mb.labels)
         opt.zero_grad()
@@ -66,7 +66,7 @@ def test_models_give_the_same_logits_on_int32_and_int64_batches(name):
     model = build_model(6, graph.num_classes, 2, 16, 0.0, name=name, heads=2).eval()
     mb = Sampler(graph, (4, 4)).sample(np.arange(0, 80, 3))
     x = torch.from_numpy(graph.feat[mb.input_nodes.numpy()])
-    logits = {dtype: model(MiniBatch.unpack(torch.from_numpy(mb.pack(dtype))).blocks(), x)
+    logits = {dtype: model(MiniBatch.unpack(torch.from_numpy(mb.pack(dtype))).layers, x)
               for dtype in (np.int32, np.int64)}
     torch.testing.assert_close(logits[np.int32], logits[np.int64])
 

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from conftest import tiny_graph
+from bench.dgl_models import block as dgl_block, blocks as dgl_blocks, relation_blocks
 from gnnray.config import DataConfig
 from gnnray.data.load import load_graph
-from gnnray.inference.layerwise import LayerRunner, _layer_widths
 from gnnray.pipeline.batch import MiniBatch, id_dtype
 from gnnray.pipeline.sampler import Sampler
-from gnnray.train.model import RGAT, RSAGE, build_model, relation_subgraphs
+from gnnray.train.layerwise import full_block
+from gnnray.train.model import RGAT, RSAGE, build_model, relation_patterns
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,8 @@ def test_sampled_edge_types_match_the_graph(hetero):
                 checked += 1
         src = dst
     assert checked > 100
-    # The blocks carry them as edata in edge id order, which is the CSC order.
-    for layer, block in zip(mb.layers, mb.blocks()):
+    # DGL blocks of the layers (the test oracle's) carry them as edata in edge id order, the CSC order.
+    for layer, block in zip(mb.layers, dgl_blocks(mb.layers)):
         u, v, eid = block.edges(form="all", order="eid")
         assert eid.tolist() == list(range(block.num_edges()))
         assert u.tolist() == layer.indices.tolist()
@@ -58,7 +59,7 @@ def test_untyped_batches_pack_no_types():
     assert len(packed) == header + sizes
     out = MiniBatch.unpack(torch.from_numpy(packed))
     assert all(l.etype is None for l in out.layers)
-    assert all("etype" not in b.edata for b in out.blocks())
+    assert all("etype" not in b.edata for b in dgl_blocks(out.layers))
 
 
 def test_typed_pack_round_trip_and_move(hetero):
@@ -69,21 +70,28 @@ def test_typed_pack_round_trip_and_move(hetero):
     assert out.epoch == 3
 
 
-def test_relation_subgraphs_match_edge_subgraph(hetero):
-    block = Sampler(hetero, (5,)).sample(hetero.train_idx[:30]).blocks()[0]
-    for j, sub in enumerate(relation_subgraphs(block, hetero.num_relations)):
-        ref = block.edge_subgraph(block.edata["etype"] == j, relabel_nodes=False)
-        assert sub.num_src_nodes() == block.num_src_nodes() and sub.num_dst_nodes() == block.num_dst_nodes()
-        got = sorted(zip(*[t.tolist() for t in sub.edges()]))
-        assert got == sorted(zip(*[t.tolist() for t in ref.edges()]))
+def test_relation_patterns_match_edge_subgraph(hetero):
+    """Rows r * num_dst + v of the relation pattern hold v's in-edges of relation r, as DGL's edge_subgraph."""
+    layer = Sampler(hetero, (5,)).sample(hetero.train_idx[:30]).layers[0]
+    r, n, m = hetero.num_relations, layer.num_src, layer.num_dst
+    plain, spread = relation_patterns(layer, r)
+    assert plain.num_rows == spread.num_rows == r * m and plain.num_cols == n and spread.num_cols == r * n
+    assert torch.equal(spread.indices // r, plain.indices)  # column u * r + relation
+    rows = np.repeat(np.arange(r * m), np.diff(plain.indptr.numpy()))
+    for j, sub in enumerate(relation_blocks(dgl_block(layer), r)):
+        assert sub.num_src_nodes() == n and sub.num_dst_nodes() == m
+        mine = rows // m == j
+        assert (spread.indices.numpy()[mine] % r == j).all()
+        got = list(zip(plain.indices.numpy()[mine].tolist(), (rows[mine] % m).tolist()))
+        assert got == list(zip(*[t.tolist() for t in sub.edges(order="eid")]))  # same edges, same order
 
 
 def _full_blocks(graph, num_layers: int):
-    """Blocks over all nodes with all in-edges (every node a destination): a full-graph forward."""
+    """Layers over all nodes with all in-edges (every node a destination): a full-graph forward."""
     mb = Sampler(graph, (-1,)).sample(np.arange(graph.num_nodes))
     assert mb.input_nodes[:graph.num_nodes].tolist() == list(range(graph.num_nodes))
     assert len(mb.input_nodes) == graph.num_nodes
-    return [mb.blocks()[0]] * num_layers
+    return [mb.layers[0]] * num_layers
 
 
 @pytest.mark.parametrize("name", ["rgat", "rsage"])
@@ -97,25 +105,28 @@ def test_layerwise_inference_equals_full_graph_forward(hetero, name):
     model.eval()
     with torch.no_grad():
         full = model(_full_blocks(hetero, 2), torch.from_numpy(hetero.feat))
-    # Layer by layer over chunks of nodes, as the inference actors do.
-    h = hetero.feat
-    for i in range(model.num_layers):
-        runner = LayerRunner(hetero, model, i, [h])
-        h = np.concatenate([runner(ids)[0].numpy() for ids in np.array_split(np.arange(hetero.num_nodes), 7)])
-    np.testing.assert_allclose(h, full.numpy(), rtol=1e-4, atol=1e-4)
-    assert _layer_widths(model, hetero.feat_dim)[-1] == hetero.num_classes
+    # Layer by layer over chunks of nodes (full-neighbor blocks), as layer-wise inference does.
+    h = torch.from_numpy(hetero.feat)
+    bounds = np.linspace(0, hetero.num_nodes, 8).astype(int).tolist()
+    with torch.no_grad():
+        for i in range(model.num_layers):
+            parts = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                layer, src = full_block(hetero, a, b)
+                parts.append(model.layer(i, layer, h[torch.from_numpy(src)])[:b - a])
+            h = torch.cat(parts)
+    torch.testing.assert_close(h, full, rtol=1e-4, atol=1e-4)
 
 
 def test_relation_types_change_the_output(hetero):
     """Relabelling edges to other relations changes RGAT's output: it does read the types."""
     torch.manual_seed(0)
     model = RGAT(hetero.feat_dim, 4, hetero.num_classes, 1, 0.0, 2, hetero.num_relations).eval()
-    block = _full_blocks(hetero, 1)[0]
+    layer = _full_blocks(hetero, 1)[0]
     x = torch.from_numpy(hetero.feat)
     with torch.no_grad():
-        a = model([block], x)
-        block.edata["etype"] = (block.edata["etype"] + 1) % hetero.num_relations
-        b = model([block], x)
+        a = model([layer], x)
+        b = model([layer._replace(etype=(layer.etype + 1) % hetero.num_relations)], x)
     assert not torch.allclose(a, b)
 
 
@@ -123,12 +134,12 @@ def test_relational_models_run_on_untyped_graphs_and_others_on_typed(hetero):
     g = tiny_graph()
     for model in (RSAGE(g.feat_dim, 8, g.num_classes, 2, 0.0, 1), RGAT(g.feat_dim, 4, g.num_classes, 2, 0.0, 2, 1)):
         mb = Sampler(g, (3, 2)).sample(np.array([0, 1, 2]))
-        out = model.eval()(mb.blocks(), torch.from_numpy(g.feat[mb.input_nodes.numpy()]))
+        out = model.eval()(mb.layers, torch.from_numpy(g.feat[mb.input_nodes.numpy()]))
         assert out.shape == (3, g.num_classes)
     mb = Sampler(hetero, (3, 2)).sample(hetero.train_idx[:10])
     for name in ("sage", "gat", "gcn"):
         model = build_model(hetero.feat_dim, hetero.num_classes, 2, 8, 0.0, name=name, heads=2)
-        out = model(mb.blocks(), torch.from_numpy(hetero.feat[mb.input_nodes.numpy()]))
+        out = model(mb.layers, torch.from_numpy(hetero.feat[mb.input_nodes.numpy()]))
         assert out.shape == (10, hetero.num_classes)
 
 
@@ -154,13 +165,14 @@ def test_rsage_computes_what_summed_sageconvs_compute_with_one_self_projection(h
     from dgl.nn import SAGEConv
 
     torch.manual_seed(0)
-    block = Sampler(hetero, (5,)).sample(hetero.train_idx[:40]).blocks()[0]
+    layer = Sampler(hetero, (5,)).sample(hetero.train_idx[:40]).layers[0]
+    block = dgl_block(layer)
     r = hetero.num_relations
     for a, b in ((hetero.feat_dim, 3), (4, 6)):  # projects before averaging (narrowing) and after
         convs = [SAGEConv(a, b, "mean") for _ in range(r)]
         h = torch.randn(block.num_src_nodes(), a)
         x_dst = h[:block.num_dst_nodes()]
-        summed = sum(c(g, (h, x_dst)) for c, g in zip(convs, relation_subgraphs(block, r)))
+        summed = sum(c(g, (h, x_dst)) for c, g in zip(convs, relation_blocks(block, r)))
         model = RSAGE(a, 8, b, 1, 0.0, r)
         assert len(model.selfs) == 1 and all(lin.bias is None for lin in model.convs[0])
         with torch.no_grad():
@@ -168,7 +180,7 @@ def test_rsage_computes_what_summed_sageconvs_compute_with_one_self_projection(h
             model.selfs[0].bias.copy_(sum(c.fc_self.bias for c in convs))
             for lin, c in zip(model.convs[0], convs):
                 lin.weight.copy_(c.fc_neigh.weight)
-            torch.testing.assert_close(model.layer(0, block, h), summed, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.layer(0, layer, h), summed, rtol=1e-5, atol=1e-5)
 
 
 def test_a_former_rsage_checkpoint_is_refused_naming_the_cause(tmp_path, hetero):

@@ -1,0 +1,122 @@
+"""Forward + backward per arxiv-sized batch: the torch models (gnnray/train/conv.py) against DGL's modules.
+
+``python -m bench.models [--repeats N] [--threads T] [--json PATH]``. One
+batch's layers (3 layers, fanouts 10,10,10, 1024 seeds) are sampled from the
+arxiv structure with the job's sampler when ../shared/datasets/arxiv-structure
+exists, else drawn at random with the sizes of such a batch; input 128
+features, hidden 256 (GAT: 4 heads of 64), 40 classes, dropout 0.5, train
+mode. Each model and its DGL-module twin (bench/dgl_models.py, the former
+models, same weights; DGL blocks built beforehand, as a DGL loader hands them
+out) run in turn, repeat after repeat; each figure is the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from bench.common import REPO, Row, format_table, machine, threads, verdict
+
+
+GOALS = {"sage": 1.0, "gcn": 1.0, "gat": 1.2, "rgat": None, "rsage": None}
+FANOUTS, BATCH, IN_FEATS, HIDDEN, CLASSES, HEADS = (10, 10, 10), 1024, 128, 256, 40, 4
+
+
+def sample_layers() -> tuple[list, str]:
+    """One batch's layers: sampled from the arxiv structure if it is there, else random of the same sizes."""
+    from bench.graphs import DEFAULT_DATASET, base_data_config
+
+    if DEFAULT_DATASET.is_dir():
+        from gnnray.data.load import load_graph
+        from gnnray.pipeline.sampler import Sampler
+
+        graph = load_graph(base_data_config(None), 0)
+        seeds = np.random.default_rng(0).permutation(graph.train_idx)[:BATCH]
+        return Sampler(graph, FANOUTS).sample(seeds).layers, "arxiv-structure sample"
+    from gnnray.pipeline.batch import Layer
+
+    g, layers = torch.Generator().manual_seed(0), []
+    for num_src, num_dst in ((120_000, 60_000), (60_000, 9_000), (9_000, BATCH)):  # the probe note's sizes
+        deg = torch.randint(0, FANOUTS[0] + 1, (num_dst,), generator=g)
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), deg.cumsum(0)])
+        layers.insert(0, Layer(indptr.int(), torch.randint(0, num_src, (int(indptr[-1]),), generator=g).int(), num_src))
+    return layers, "synthetic"
+
+
+def measure(names, repeats: int, warmup: int = 2) -> dict:
+    from bench.dgl_models import DGLModel, blocks
+    from gnnray.train.model import build_model
+
+    layers, source = sample_layers()
+    dgl_blocks = blocks(layers)
+    x = torch.randn(layers[0].num_src, IN_FEATS)
+    y = torch.randint(0, CLASSES, (layers[-1].num_dst,))
+    pairs = {}
+    for name in names:
+        torch.manual_seed(0)
+        hidden = HIDDEN // HEADS if name in ("gat", "rgat") else HIDDEN
+        ours = build_model(IN_FEATS, CLASSES, len(FANOUTS), hidden, 0.5, name=name, heads=HEADS).train()
+        pairs[name] = (ours, None if name == "rsage" else DGLModel(ours).train())
+        if pairs[name][1] is not None:
+            pairs[name][1].load_state_dict(ours.state_dict())
+
+    def step(model, inputs):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(inputs, x), y).backward()
+        return time.perf_counter() - start
+
+    times = {name: {"ours": [], "dgl": []} for name in names}
+    for rep in range(warmup + repeats):  # interleaved: each repeat runs every model, ours then DGL's
+        for name, (ours, theirs) in pairs.items():
+            t = step(ours, layers)
+            if rep >= warmup:
+                times[name]["ours"].append(t)
+            if theirs is not None:
+                t = step(theirs, dgl_blocks)
+                if rep >= warmup:
+                    times[name]["dgl"].append(t)
+    sizes = [dict(num_src=l.num_src, num_dst=l.num_dst, nnz=int(l.indices.shape[0])) for l in layers]
+    return dict(source=source, layers=sizes, times_s=times)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="sage,gcn,gat,rgat,rsage")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default=str(REPO / "bench-results" / "models.json"))
+    args = parser.parse_args(argv)
+    names = args.models.split(",")
+    with threads(args.threads):
+        result = measure(names, args.repeats)
+    rows = []
+    for name in names:
+        t = result["times_s"][name]
+        ours = statistics.median(t["ours"]) * 1e3
+        if not t["dgl"]:
+            rows.append(Row(f"{name} fwd+bwd ms", ours=f"{ours:.1f}", baseline="-", ratio="-", target="-", met="-"))
+            continue
+        base = statistics.median(t["dgl"]) * 1e3
+        goal = GOALS[name]
+        rows.append(Row(f"{name} fwd+bwd ms", ours=f"{ours:.1f}", baseline=f"{base:.1f}", ratio=f"{ours / base:.2f}x",
+                        target=f"<= {goal}x" if goal else "-", met=verdict(ours / base <= goal) if goal else "-",
+                        detail=dict(ratio=ours / base)))
+    sizes = ", ".join(f"{s['num_src']}/{s['num_dst']}/{s['nnz']}" for s in result["layers"])
+    print(f"{result['source']}: layers (src/dst/edges) {sizes}; {args.threads} threads; "
+          f"median of {args.repeats} interleaved repeats; baseline: DGL's modules, same weights")
+    print(format_table(rows))
+    out = dict(result, threads=args.threads, repeats=args.repeats, machine=machine(),
+               rows=[r.__dict__ for r in rows], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    path = __import__("pathlib").Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

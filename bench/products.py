@@ -1,0 +1,321 @@
+"""The products-sized row: gnnray's whole 1-epoch run against the DGL tutorial script's, side by side.
+
+``python -m bench.products`` writes a graph directory shaped like
+ogbn-products (``--dataset synthetic``'s generator: 2,449,029 nodes, average
+degree 50, 47 classes; edges stored once, the reverse added at load; a
+products-like split of 196,615 / 39,323 / 48,981 nodes; 100 random
+features), then runs, one after the other, each in its own process:
+
+- gnnray: ``jobs/train_arxiv.py --dataset DIR --random-features 100
+  --reverse-edges yes`` (a graph directory's edges are taken as given otherwise) with 1
+  worker, 1 sampler actor, SAGE 3x256, fanouts 15,10,5, batch 1024,
+  ``--eval sampled``, 1 epoch;
+- the DGL script (``python -m bench.products --dgl-script SPEC``): the
+  Parquet edges read with pyarrow, ``dgl.graph`` of them plus their reverse,
+  ``formats("csc")``, random features, ``dgl.dataloading.DataLoader``, the
+  tutorial's model (3 mean ``SAGEConv`` layers of 256) and the same fanouts,
+  one epoch, then sampled validation and test.
+
+For each: the whole run, loading (command to graph in memory; gnnray's
+includes Ray's start, which overlaps it), the training epoch, evaluation,
+and the peak of the whole machine's used memory (every process, Ray's
+included; ``psutil.virtual_memory().used`` every 0.2 s, less its value
+before the run) per phase. gnnray's phases come from its output lines: load
+(to the graph line), publish (to the next line), and training plus
+evaluation (to the epoch line, workers' start included); its evaluation is
+that span less ``epoch_time``. Writes ``--json`` (default
+``bench-results/products.json``). ``--load-only``: only the structure's
+loading, gnnray's (``read_graph_dir(...).build(reverse=True)``) against the
+DGL script's, time and peak RSS of each process (the largest-graph row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SPLIT = (196_615, 39_323, 48_981)  # ogbn-products' train / valid / test, of 2,449,029 nodes
+MARK = "PHASE "
+RESULT = "RESULT "
+
+
+def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0) -> None:
+    """``--dataset synthetic``'s graph as a graph directory, with a products-like split (no features)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gnnray.data.synthetic import synthetic_parts
+
+    if (out / "meta.json").is_file():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    p = synthetic_parts(n, classes, 1, avg_degree, seed)
+    pq.write_table(pa.table({"src": p.src.astype(np.int64), "dst": p.dst.astype(np.int64)}), out / "edges.parquet")
+    scale = n / 2_449_029
+    sizes = [int(round(k * scale)) for k in SPLIT]
+    perm = np.random.default_rng(seed).permutation(n)
+    split = np.full(n, "none", dtype=object)
+    for name, lo, hi in zip(("train", "valid", "test"), np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes)):
+        split[perm[lo:hi]] = name
+    pq.write_table(pa.table({"id": np.arange(n, dtype=np.int64), "label": p.label.astype(np.int64),
+                             "split": split.astype(str)}), out / "nodes.parquet")
+    (out / "meta.json").write_text(json.dumps({"num_nodes": n, "num_classes": classes, "name": "products-sized"}))
+
+
+class Memory:
+    """The machine's used memory every 0.2 s, in bytes over its value at the start, with the time of each."""
+
+    def __init__(self):
+        import psutil
+
+        self._psutil, self.base = psutil, psutil.virtual_memory().used
+        self.samples, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.samples.append((time.perf_counter(), self._psutil.virtual_memory().used - self.base))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, a: float, b: float) -> float:
+        """Peak over ``[a, b]`` (perf_counter times), GB."""
+        inside = [m for t, m in self.samples if a <= t <= b]
+        return max(inside, default=0) / 1e9
+
+
+def timed_lines(cmd: list, env: dict) -> tuple[list, float, float, int]:
+    """Run ``cmd``; each output line with its perf_counter time; start, end, exit code."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = [(time.perf_counter(), line.rstrip()) for line in proc.stdout]
+    return lines, start, time.perf_counter(), proc.wait()
+
+
+def run_gnnray(graph_dir: Path, work: Path, feat: int) -> dict:
+    name = f"products-{int(time.time())}"
+    argv = [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), "--dataset", str(graph_dir),
+            "--random-features", str(feat), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1", "--model", "sage",
+            "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024", "--eval", "sampled",
+            "--epochs", "1", "--storage-path", str(work), "--name", name]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    mem = Memory()
+    lines, start, end, rc = timed_lines(argv, env)
+    mem.stop()
+    if rc:
+        raise RuntimeError(f"gnnray exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
+    at = {}
+    for i, (t, text) in enumerate(lines):
+        if text.startswith("graph ") and "graph" not in at:
+            at["graph"], at["published"] = t, lines[i + 1][0] if i + 1 < len(lines) else t
+        if text.startswith("epoch=0"):
+            at["epoch"] = t
+    metrics = [json.loads(s) for s in (work / name / "metrics.jsonl").read_text().splitlines() if s.strip()]
+    train_s = metrics[-1]["epoch_time"]
+    after = at["epoch"] - at["published"]
+    return dict(argv=argv[2:], whole_s=end - start, load_s=at["graph"] - start, publish_s=at["published"] - at["graph"],
+                train_s=train_s, eval_s=after - train_s, train_and_eval_s=after, metrics=metrics[-1],
+                peak_gb=dict(load=mem.peak(start, at["graph"]), publish=mem.peak(at["graph"], at["published"]),
+                             train_and_eval=mem.peak(at["published"], end), whole=mem.peak(start, end)),
+                output=[text for _, text in lines if not text.startswith("(")][-12:])
+
+
+def run_dgl(graph_dir: Path, feat: int) -> dict:
+    spec = json.dumps(dict(graph=str(graph_dir), feat=feat))
+    mem = Memory()
+    lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--dgl-script", spec],
+                                        dict(os.environ))
+    mem.stop()
+    if rc:
+        raise RuntimeError(f"the DGL script exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
+    marks = {text[len(MARK):]: t for t, text in lines if text.startswith(MARK)}
+    result = json.loads([text for _, text in lines if text.startswith(RESULT)][-1][len(RESULT):])
+    return dict(result, whole_s=end - start, load_s=marks["loaded"] - start,
+                peak_gb=dict(load=mem.peak(start, marks["loaded"]), train=mem.peak(marks["loaded"], marks["trained"]),
+                             eval=mem.peak(marks["trained"], end), whole=mem.peak(start, end)))
+
+
+def dgl_script(spec: dict) -> None:
+    """The DGL tutorial's script on the graph directory: load, one epoch, sampled validation and test."""
+    import pyarrow.parquet as pq
+    import torch
+
+    os.environ.setdefault("DGLBACKEND", "pytorch")
+    import dgl
+    import torch.nn.functional as F
+
+    from gnnray.config import parse_args
+
+    path = Path(spec["graph"])
+    meta = json.loads((path / "meta.json").read_text())
+    edges = pq.read_table(path / "edges.parquet")
+    src, dst = (torch.from_numpy(edges[c].to_numpy()) for c in ("src", "dst"))
+    del edges
+    g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=meta["num_nodes"])
+    del src, dst
+    g = g.formats("csc")
+    g.create_formats_()
+    nodes = pq.read_table(path / "nodes.parquet").to_pandas()
+    label = torch.from_numpy(nodes["label"].to_numpy())
+    feat = torch.randn(meta["num_nodes"], spec["feat"])
+    ids = {s: torch.from_numpy(np.flatnonzero(nodes["split"].to_numpy() == s)) for s in ("train", "valid", "test")}
+    print(MARK + "loaded", flush=True)
+    cfg = parse_args(["--model", "sage", "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024"])
+    model = Sage(spec["feat"], 256, meta["num_classes"], dgl.nn.SAGEConv)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    sampler = dgl.dataloading.NeighborSampler([15, 10, 5])
+
+    def loader(split, batch, shuffle):
+        return dgl.dataloading.DataLoader(g, ids[split], sampler, batch_size=batch, shuffle=shuffle)
+
+    start = time.perf_counter()
+    model.train()
+    for _, out, blocks in loader("train", 1024, True):
+        loss = F.cross_entropy(model(blocks, feat[blocks[0].srcdata[dgl.NID]]), label[out])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    train_s = time.perf_counter() - start
+    print(MARK + "trained", flush=True)
+    model.eval()
+    acc = {}
+    with torch.no_grad():
+        for split in ("valid", "test"):
+            right = total = 0
+            for _, out, blocks in loader(split, cfg.train.eval_batch_size, False):
+                right += int((model(blocks, feat[blocks[0].srcdata[dgl.NID]]).argmax(1) == label[out]).sum())
+                total += len(out)
+            acc[split] = right / max(total, 1)
+    eval_s = time.perf_counter() - start - train_s
+    print(RESULT + json.dumps(dict(train_s=train_s, eval_s=eval_s, val_acc=acc["valid"], test_acc=acc["test"])),
+          flush=True)
+
+
+def Sage(in_feats: int, hidden: int, classes: int, conv):
+    """The DGL tutorial's GraphSAGE: three mean ``SAGEConv`` layers, ReLU and dropout 0.5 between them."""
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            sizes = [in_feats, hidden, hidden, classes]
+            self.layers = torch.nn.ModuleList(conv(a, b, "mean") for a, b in zip(sizes, sizes[1:]))
+            self.dropout = torch.nn.Dropout(0.5)
+
+        def forward(self, blocks, h):
+            for i, (layer, block) in enumerate(zip(self.layers, blocks)):
+                h = layer(block, h)
+                if i < len(self.layers) - 1:
+                    h = self.dropout(torch.relu(h))
+            return h
+
+    return Model()
+
+
+def load_script(which: str, path: Path) -> None:
+    """Load the graph directory's structure as gnnray or as the DGL script does; print its time and peak RSS."""
+    start = time.perf_counter()
+    if which == "gnnray":
+        from gnnray.data.graph_dir import read_graph_dir
+
+        g = read_graph_dir(path).build(reverse=True)
+        edges = g.num_edges
+    else:
+        import pyarrow.parquet as pq
+        import torch
+
+        os.environ.setdefault("DGLBACKEND", "pytorch")
+        import dgl
+
+        n = json.loads((path / "meta.json").read_text())["num_nodes"]
+        t = pq.read_table(path / "edges.parquet")
+        src, dst = (torch.from_numpy(t[c].to_numpy()) for c in ("src", "dst"))
+        del t
+        g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=n)
+        del src, dst
+        g = g.formats("csc")
+        g.create_formats_()
+        edges = g.num_edges()
+    seconds = time.perf_counter() - start
+    peak = [int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM")][0]
+    print(RESULT + json.dumps(dict(load_s=seconds, peak_rss_gb=peak / 1e9, edges=edges)), flush=True)
+
+
+def load_only(graph_dir: Path) -> dict:
+    """gnnray's and the DGL script's loading of the structure, each in a process of its own."""
+    out = {}
+    for which in ("gnnray", "dgl"):
+        lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--load-script", which,
+                                             str(graph_dir)], dict(os.environ))
+        if rc:
+            raise RuntimeError(f"{which} load exited with {rc}: " + "\n".join(t for _, t in lines[-10:]))
+        out[which] = dict(json.loads([t for _, t in lines if t.startswith(RESULT)][-1][len(RESULT):]),
+                          process_s=end - start)
+    out["ratio"] = {k: out["gnnray"][k] / out["dgl"][k] for k in ("load_s", "peak_rss_gb", "process_s")}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=2_449_029)
+    ap.add_argument("--avg-degree", type=int, default=50)
+    ap.add_argument("--classes", type=int, default=47)
+    ap.add_argument("--feat", type=int, default=100)
+    ap.add_argument("--workdir", default="/tmp/gnnray-products")
+    ap.add_argument("--json", default=str(REPO / "bench-results" / "products.json"))
+    ap.add_argument("--load-only", action="store_true", help="only load the structure, gnnray's way and DGL's")
+    ap.add_argument("--dgl-script", help=argparse.SUPPRESS)
+    ap.add_argument("--load-script", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.dgl_script:
+        dgl_script(json.loads(args.dgl_script))
+        return 0
+    if args.load_script:
+        load_script(args.load_script[0], Path(args.load_script[1]))
+        return 0
+    import psutil
+
+    work = Path(args.workdir)
+    graph_dir = work / f"graph-{args.nodes}-{args.avg_degree}-{args.classes}"
+    start = time.perf_counter()
+    write_graph(graph_dir, args.nodes, args.avg_degree, args.classes)
+    print(f"graph directory {graph_dir} ({time.perf_counter() - start:.0f}s)", flush=True)
+    load = os.getloadavg()
+    if args.load_only:
+        out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree),
+                   **load_only(graph_dir), loadavg_before=load, loadavg_after=os.getloadavg())
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1))
+        return 0
+    ours, dgl = run_gnnray(graph_dir, work, args.feat), run_dgl(graph_dir, args.feat)
+    ratio = {k: ours[k] / dgl[k] for k in ("whole_s", "load_s", "train_s", "eval_s")}
+    ratio["peak_whole"] = ours["peak_gb"]["whole"] / dgl["peak_gb"]["whole"]
+    out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree, classes=args.classes,
+                          feat=args.feat, split=SPLIT), gnnray=ours, dgl_script=dgl, ratio=ratio,
+               machine=dict(cpus=os.cpu_count(), memory_gb=psutil.virtual_memory().total / 1e9),
+               loadavg_before=load, loadavg_after=os.getloadavg())
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"{'':12}{'gnnray':>10}{'DGL script':>12}{'ratio':>8}")
+    for k in ("whole_s", "load_s", "train_s", "eval_s"):
+        print(f"{k:12}{ours[k]:10.1f}{dgl[k]:12.1f}{ratio[k]:8.2f}")
+    print(f"{'peak GB':12}{ours['peak_gb']['whole']:10.2f}{dgl['peak_gb']['whole']:12.2f}{ratio['peak_whole']:8.2f}")
+    print("gnnray phases (GB):", ours["peak_gb"], "DGL script phases (GB):", dgl["peak_gb"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""One host, many runs: two local runs started together each use their own cluster, and print only their own lines.
+
+Each run starts its own local Ray cluster beside the session's (the job's
+subprocesses get no ``RAY_ADDRESS``, so none joins the session's cluster).
+Before the fix, Ray Train's placement-group cleaner and state actor found
+"the" cluster by themselves among several on the machine: they raised
+"Found multiple active Ray instances" or joined another run's cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from drills import REPO, SMALL
+
+# What a run prints (gnnray's own lines); anything else on its console is Ray's.
+OWN_LINE = re.compile(r"^(ray: |graph |cpu plan: |epoch=\d+ |layer-wise inference: |best_val_acc=)")
+CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(ray \S+, dgl \S+ on every node\), dashboard (\S+)$")
+
+
+def test_two_local_runs_at_once_each_use_their_own_cluster(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    runs = [subprocess.Popen([sys.executable, "jobs/train_arxiv.py", *SMALL, "--num-workers", "1", "--epochs", "2",
+                              "--storage-path", str(tmp_path), "--name", f"run{i}"],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i in range(2)]
+    consoles = []
+    for run in runs:
+        try:
+            out, _ = run.communicate(timeout=600)  # a bound, not a speed claim
+        finally:
+            run.kill()
+        consoles.append(out)
+        assert run.returncode == 0, out[-3000:]
+    clusters = []
+    for out in consoles:
+        lines = out.splitlines()
+        assert all(OWN_LINE.match(line) for line in lines) and len(lines) <= 8, out
+        for noise in ("Traceback", "multiple active Ray instances", "Connecting to latest cluster",
+                      "Failed to register placement group"):
+            assert noise not in out, out
+        assert len([line for line in lines if line.startswith("epoch=")]) == 2, out
+        named = [CLUSTER_LINE.match(line) for line in lines if line.startswith("ray: ")]
+        assert len(named) == 1 and named[0], out
+        clusters.append(named[0].groups())
+    (gcs0, dashboard0), (gcs1, dashboard1) = clusters
+    assert gcs0 != gcs1 and dashboard0 != dashboard1, clusters
