@@ -71,16 +71,16 @@ def test_synthetic_learns_and_resumes(ray_cluster, tmp_path):
 
 
 def test_uneven_split_and_user_model(ray_cluster, tmp_path):
-    """Seeds that do not divide by workers x batch size, and a user model with forward(blocks, x)."""
+    """Seeds that do not divide by workers x batch size, and a user model with forward(layers, x)."""
     import torch
 
-    class Linear(torch.nn.Module):  # ignores the graph: any forward(blocks, x) plugs in
+    class Linear(torch.nn.Module):  # ignores the graph: any forward(layers, x) plugs in
         def __init__(self, in_feats, num_classes):
             super().__init__()
             self.fc = torch.nn.Linear(in_feats, num_classes)
 
-        def forward(self, blocks, x):
-            return self.fc(x[: blocks[-1].num_dst_nodes()])
+        def forward(self, layers, x):
+            return self.fc(x[: layers[-1].num_dst])
 
     cfg = parse_args(SYNTHETIC + ["--num-workers", "3", "--epochs", "2", "--lr", "0.05", "--storage-path",
                                   str(tmp_path), "--name", "uneven"])
