@@ -253,17 +253,22 @@ def load_script(which: str, path: Path) -> None:
     print(RESULT + json.dumps(dict(load_s=seconds, peak_rss_gb=peak / 1e9, edges=edges)), flush=True)
 
 
-def load_only(graph_dir: Path) -> dict:
-    """gnnray's and the DGL script's loading of the structure, each in a process of its own."""
-    out = {}
-    for which in ("gnnray", "dgl"):
-        lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--load-script", which,
-                                             str(graph_dir)], dict(os.environ))
-        if rc:
-            raise RuntimeError(f"{which} load exited with {rc}: " + "\n".join(t for _, t in lines[-10:]))
-        out[which] = dict(json.loads([t for _, t in lines if t.startswith(RESULT)][-1][len(RESULT):]),
-                          process_s=end - start)
-    out["ratio"] = {k: out["gnnray"][k] / out["dgl"][k] for k in ("load_s", "peak_rss_gb", "process_s")}
+def load_only(graph_dir: Path, repeat: int = 1) -> dict:
+    """gnnray's and the DGL script's loading of the structure, each in a process of its own, interleaved
+    ``repeat`` times; the medians and their ratios."""
+    runs = {"gnnray": [], "dgl": []}
+    for _ in range(repeat):
+        for which in runs:
+            lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--load-script", which,
+                                                 str(graph_dir)], dict(os.environ))
+            if rc:
+                raise RuntimeError(f"{which} load exited with {rc}: " + "\n".join(t for _, t in lines[-10:]))
+            runs[which].append(dict(json.loads([t for _, t in lines if t.startswith(RESULT)][-1][len(RESULT):]),
+                                    process_s=end - start))
+    keys = ("load_s", "peak_rss_gb", "process_s")
+    out = {which: dict({k: float(np.median([r[k] for r in rs])) for k in keys}, edges=rs[0]["edges"], runs=rs)
+           for which, rs in runs.items()}
+    out["ratio"] = {k: out["gnnray"][k] / out["dgl"][k] for k in keys}
     return out
 
 
@@ -276,6 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/gnnray-products")
     ap.add_argument("--json", default=str(REPO / "bench-results" / "products.json"))
     ap.add_argument("--load-only", action="store_true", help="only load the structure, gnnray's way and DGL's")
+    ap.add_argument("--repeat", type=int, default=1, help="--load-only: runs of each, interleaved (medians)")
     ap.add_argument("--dgl-script", help=argparse.SUPPRESS)
     ap.add_argument("--load-script", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -295,7 +301,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     if args.load_only:
         out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree),
-                   **load_only(graph_dir), loadavg_before=load, loadavg_after=os.getloadavg())
+                   **load_only(graph_dir, args.repeat), loadavg_before=load, loadavg_after=os.getloadavg())
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1))

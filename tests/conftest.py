@@ -11,6 +11,7 @@ import pytest
 
 from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
+from shared_runs import script_run  # noqa: F401  (a session fixture: one script run read by several modules)
 
 os.environ.setdefault("DGLBACKEND", "pytorch")
 os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's dependency asks PyPI for updates (no internet here)
@@ -133,6 +134,21 @@ def shared_dataset(name: str) -> Path:
     if not path.is_dir():
         pytest.skip(f"needs {path} (the shared datasets beside the repository)")
     return path
+
+
+@pytest.fixture(scope="session")
+def cora_run(ray_cluster, tmp_path_factory):
+    """One SAGE run on cora (2 workers, 20 epochs, layer-wise final accuracies, the sampled ones beside them),
+    shared by tests/test_job.py and tests/inference: (its summary, the storage path of its run "cora")."""
+    from gnnray.config import parse_args
+    from gnnray.driver.fit import run
+
+    cora = shared_dataset("cora")
+    storage = tmp_path_factory.mktemp("runs")
+    cfg = parse_args(["--dataset", str(cora), "--normalize-features", "--epochs", "20", "--batch-size", "32",
+                      "--fanouts", "10,10", "--hidden", "64", "--lr", "0.01", "--weight-decay", "5e-4",
+                      "--num-workers", "2", "--storage-path", str(storage), "--name", "cora"])
+    return run(cfg), storage
 
 
 def run_gloo_ranks(target, tmp_path, world: int = 2, timeout: float = 300) -> None:

@@ -3,102 +3,25 @@
 from __future__ import annotations
 
 import math
-import threading
-import time
-import urllib.request
-import uuid
 
 import pytest
 
 from gnnray.config import parse_args
-from gnnray.data.load import load_graph
 from gnnray.driver.console import epoch_line
-from gnnray.driver.fit import run
 from gnnray.pipeline.seeds import steps_per_epoch
+from shared_runs import SCRIPT_EPOCHS
 
-EPOCHS, WORKERS, BATCH, FANOUTS = 2, 2, 128, (5, 5)
-ARGS = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts",
-        ",".join(map(str, FANOUTS)), "--batch-size", str(BATCH), "--hidden", "32", "--num-workers", str(WORKERS),
-        "--sampler-actors", "1,2", "--epochs", str(EPOCHS), "--eval", "sampled"]
-
-
-class _Scraper:
-    """Poll every alive node's metrics endpoint; keep the last value of each ``gnnray_`` sample of one run.
-
-    Gauges of a process vanish from the endpoint some seconds after it exits,
-    so the test scrapes while the job runs; counters stay.
-    """
-
-    def __init__(self, ray, run: str):
-        self._ray, self._run = ray, run
-        self.samples: dict[tuple, float] = {}  # (name without "ray_", sorted labels) -> value
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> "_Scraper":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(1.0):
-            self.scrape()
-
-    def scrape(self) -> None:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        for node in self._ray.nodes():
-            if not node["Alive"]:
-                continue
-            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-            try:
-                body = urllib.request.urlopen(url, timeout=10).read().decode()
-            except OSError:
-                continue  # an agent still starting; the next poll retries
-            for family in text_string_to_metric_families(body):
-                for s in family.samples:
-                    name = s.name[len("ray_"):] if s.name.startswith("ray_") else s.name
-                    if name.startswith("gnnray_") and s.labels.get("run") == self._run:
-                        keep = {k: v for k, v in s.labels.items() if k in ("rank", "actor", "le")}
-                        self.samples[(name, tuple(sorted(keep.items())))] = s.value
-
-    def values(self, name: str, **labels) -> dict[tuple, float]:
-        return {k: v for k, v in self.samples.items()
-                if k[0] == name and all(dict(k[1]).get(a) == b for a, b in labels.items())}
-
-    def total(self, name: str) -> float:
-        return sum(self.values(name).values())
+EPOCHS, WORKERS, BATCH, FANOUTS = SCRIPT_EPOCHS, 2, 128, (5, 5)  # shared_runs.SYNTHETIC's
 
 
 @pytest.fixture(scope="module")
-def monitored_run(ray_cluster, tmp_path_factory):
-    """One tiny job, scraped while it runs: (scraper, driver stdout, logged epochs, train set size)."""
-    import contextlib
-    import io
-    import json
-
-    name = f"metrics-{uuid.uuid4().hex[:8]}"
-    storage = tmp_path_factory.mktemp("metrics")
-    cfg = parse_args(ARGS + ["--name", name, "--storage-path", str(storage)])
-    n_train = len(load_graph(cfg.data).train_idx)
-    out = io.StringIO()
-    with _Scraper(ray_cluster, name) as scraper:
-        with contextlib.redirect_stdout(out):
-            run(cfg)
-        # Metrics reach the endpoint some seconds after they are recorded: wait for the last epoch's (the
-        # epoch gauge is set last, after the other gauges of that epoch) and the final counts.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
-                scraper.total("gnnray_train_seeds_total") >= EPOCHS * n_train
-                and sorted(scraper.values("gnnray_train_epochs_completed").values()) == [EPOCHS] * WORKERS
-                and scraper.total("gnnray_sampler_minibatches_total")
-                >= EPOCHS * steps_per_epoch(n_train, BATCH, WORKERS) * WORKERS):
-            time.sleep(1)
-    logged = [json.loads(l) for l in (storage / name / "metrics.jsonl").read_text().splitlines()]
-    return scraper, out.getvalue(), logged, n_train
+def monitored_run(script_run):
+    """The script's run (shared_runs.py, shared with tests/test_job.py), scraped while it ran: (scraper, its
+    stdout, its logged epochs, its training set's size)."""
+    assert script_run.proc.returncode == 0, script_run.proc.stderr[-3000:]
+    cfg = parse_args(script_run.args)
+    assert (cfg.train.workers_min, cfg.sampler.batch_size, tuple(cfg.sampler.fanouts)) == (WORKERS, BATCH, FANOUTS)
+    return script_run.scraper, script_run.proc.stdout, script_run.logged, script_run.n_train
 
 
 def test_train_worker_metrics(monitored_run):

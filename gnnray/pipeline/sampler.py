@@ -5,9 +5,9 @@ Data actor pool (``map_batches`` + ``ActorPoolStrategy``) whose actors each
 attach the node-shared graph once, zero-copy. Output: one row per mini-batch,
 a packed ``MiniBatch`` in an Arrow table (:func:`gnnray.pipeline.batch.to_arrow`).
 
-Train workers sample for evaluation through an :class:`EvaluationSampler`
-actor of their own, so sampling is the same code wherever it runs and no
-train worker imports DGL.
+Train workers sample for evaluation through their node's
+:class:`EvaluationSampler` actor, so sampling is the same code wherever it
+runs and no train worker imports DGL.
 
 torch, pandas and the batch module are imported where used: Ray Data's split
 coordinator unpickles :class:`SamplerActor` (so imports this module) and
@@ -135,7 +135,7 @@ class SamplerActor:
 
 
 class EvaluationSampler:
-    """A train worker's own evaluation sampler: a Ray actor on the worker's node, seeds in, packed batches out.
+    """A node's evaluation sampler: a Ray actor shared by the train workers of its node, seeds in, packed batches out.
 
     The train worker imports no DGL: GraphBolt samples here, over the same
     node-shared graph (zero-copy). Packed batches are numpy arrays, so they
@@ -156,13 +156,25 @@ class EvaluationSampler:
 
 
 def start_evaluation_sampler(graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1):
-    """Start an :class:`EvaluationSampler` on this process's node and return its handle without waiting.
+    """This node's :class:`EvaluationSampler` for ``graph`` and ``fanouts``: its handle, without waiting.
 
+    In a placement group (a Ray Train worker group's, new at each restart),
+    the first worker of a node to ask starts it and owns it (it ends with
+    that worker's group); the group's other workers on the node get the same
+    actor by its name, which holds the group, so a node pays for one more
+    process importing torch and DGL, not one per worker, and a restarted
+    group never gets the actor of one going away. Elsewhere (a driver, a
+    tool) each call starts its own actor, which ends with its last handle.
     It reserves no CPU, so it fits beside the job's workers and sampler
     actors; it works while evaluation runs, when training does not. The
     placement is soft: a node that cannot take it leaves Ray to place it.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    return ray.remote(EvaluationSampler).options(num_cpus=0, scheduling_strategy=here).remote(graph, fanouts, threads)
+    context = ray.get_runtime_context()
+    node, group = context.get_node_id(), context.get_placement_group_id()
+    options = dict(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))
+    if group:
+        options.update(get_if_exists=True, name=f"gnnray-evaluation-sampler:{group}:{node}:{graph._ref[0].hex()}:"
+                                                f"{Fanouts.of_value(fanouts)}:{threads}")
+    return ray.remote(EvaluationSampler).options(**options).remote(graph, fanouts, threads)

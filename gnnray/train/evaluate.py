@@ -1,8 +1,8 @@
 """With stage 7 (train worker): sampled evaluation of a split, each rank taking every ``world``-th node.
 
-The worker samples nothing itself (it imports no DGL): its own
-:class:`~gnnray.pipeline.sampler.EvaluationSampler` actor, on its node,
-samples each chunk of seeds, at most :attr:`Evaluator.requests` chunks ahead;
+The worker samples nothing itself (it imports no DGL): its node's
+:class:`~gnnray.pipeline.sampler.EvaluationSampler` actor, one shared by the
+node's workers, samples each chunk of seeds, at most :attr:`Evaluator.requests` chunks ahead;
 the worker gathers the features as in training (:class:`Prefetcher`).
 """
 
@@ -35,7 +35,8 @@ class Evaluator:
 
     Args:
         graph: The node-shared graph (splits, labels; features unless ``features`` is given).
-        handle: The same graph's handle, for the sampler actor (started here, without waiting). Without
+        handle: The same graph's handle, for the node's sampler actor (started here if no worker of the node
+            started it yet, without waiting). Without
             it (no Ray: tests, tools) this process samples, importing DGL.
     """
 

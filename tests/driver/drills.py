@@ -1,4 +1,4 @@
-"""Helpers of the reliability drills (tests/driver/test_faults.py, test_resume.py, test_bad_input.py).
+"""Helpers of the reliability drills (tests/driver/test_faults.py, test_resume.py, test_bad_input.py, test_elastic.py).
 
 The drills run the real job on the session's cluster, in a thread of the test
 process (so a custom model can be passed) or as a subprocess, and act on it
@@ -14,17 +14,23 @@ import re
 import sys
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import pytest
 import torch
+from ray import cloudpickle
 
 from gnnray.train import checkpoint
 from gnnray.config import parse_args
 from gnnray.driver.fit import run
-from gnnray.train.report import METRICS_LOG
+from gnnray.pipeline.seeds import SeedPlan
+from gnnray.train.report import METRICS_LOG, WORKERS_LOG
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # RecordingModel reaches the workers by value
 
 REPO = Path(__file__).resolve().parents[2]
 # Small and quick, but with enough steps (1800 train seeds / (32 x 2)) that an
@@ -34,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
          "--batch-size", "32", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1,1", "--eval", "sampled",
          "--checkpoint-interval", "0"]
+EVERY = 4  # --checkpoint-every of the recorded drills
 JOB_TIMEOUT_S = 420  # a bound, not a speed claim: runs take 30-120 s here on 2 busy cores
 
 
@@ -187,7 +194,7 @@ class ResumedRun:
     job: JobThread
 
 
-_RUNS: dict = {}  # resumed_run's result: two test modules import the fixture, the run happens once
+_RUNS: dict = {}  # the shared runs' results: two test modules import each fixture, the run happens once
 
 
 @pytest.fixture(scope="session")
@@ -211,3 +218,170 @@ def _resumed_run(tmp_path_factory) -> ResumedRun:
     drop_key(newest, "optimizer")
     job = JobThread(args + ["--epochs", "9"]).join()
     return ResumedRun(storage, name, newest, job)
+
+
+# ----------------------------------------------------------------------------- recorded steps (test_elastic.py)
+
+
+class RecordingModel(torch.nn.Module):
+    """The job's model; each training step first waits while ``pause-W`` exists (W: its world size) and sleeps
+    the seconds ``slow-W`` holds, then records the seeds' features with world size and rank."""
+
+    def __init__(self, in_feats: int, num_classes: int, cfg, record_dir: str):
+        super().__init__()
+        from gnnray.train.model import model_for
+
+        self.net = model_for(in_feats, num_classes, cfg)
+        self.record_dir = record_dir
+
+    def forward(self, blocks, x):
+        if self.training:
+            import ray.train
+
+            ctx = ray.train.get_context()
+            world, rank = ctx.get_world_size(), ctx.get_world_rank()
+            while os.path.exists(os.path.join(self.record_dir, f"pause-{world}")):
+                time.sleep(0.2)
+            slow = os.path.join(self.record_dir, f"slow-{world}")
+            if os.path.exists(slow):
+                time.sleep(float(open(slow).read()))
+            seeds = x[: blocks[-1].num_dst].detach().cpu().numpy().copy()
+            np.save(os.path.join(self.record_dir, f"{time.time():.6f}_{os.getpid()}_{world}_{rank}.npy"), seeds)
+        return self.net(blocks, x)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A training step one rank recorded: when, in which process and group size, and the plan's (epoch, step)."""
+
+    time: float
+    pid: int
+    world: int
+    rank: int
+    epoch: int
+    step: int
+
+
+def recorded_steps(record_dir: Path, args: list[str]) -> list[Step]:
+    """Every recorded step, in time order, located in the plan of its world size (its seeds must be exactly the
+    plan's piece for that rank, or this fails): an elastic run's plans for 1-3 workers, a fixed run's own."""
+    from gnnray.data.load import load_graph
+
+    cfg = parse_args(args)
+    graph = load_graph(cfg.data, cfg.run.seed)
+    node_of = {graph.feat[i].tobytes(): int(i) for i in graph.train_idx}
+    b, most, seed = cfg.sampler.batch_size, cfg.train.workers_max, cfg.run.seed
+    plans = ({w: SeedPlan.elastic(graph.train_idx, b, most, w, seed) for w in range(1, most + 1)}
+             if cfg.train.elastic else {most: SeedPlan.for_run(graph.train_idx, b, most, seed)})
+    where = {}  # (world, rank, seeds) -> (epoch, step)
+    for world, plan in plans.items():
+        for epoch in range(cfg.train.epochs):
+            for j, piece in enumerate(plan.batches(epoch)):
+                where[(world, j % world, tuple(sorted(piece.tolist())))] = (epoch, j // world)
+    steps = []
+    for path in sorted(record_dir.glob("*.npy")):
+        t, pid, world, rank = path.stem.split("_")
+        seeds = tuple(sorted(node_of[row.tobytes()] for row in np.load(path)))
+        key = (int(world), int(rank), seeds)
+        assert key in where, f"{path.name}: rank {rank} of {world} trained seeds that are not its piece of any step"
+        steps.append(Step(float(t), int(pid), int(world), int(rank), *where[key]))
+    return sorted(steps, key=lambda s: s.time)
+
+
+def attempts(steps: list[Step], steps_per_epoch: int) -> list[tuple[int, list[int]]]:
+    """Each worker group's world size and the global steps (``epoch * steps_per_epoch + step``) it trained, in
+    order. Groups follow each other in time; every rank of a group trains the same steps (the last one may be
+    missing on some ranks: the group was ended during it)."""
+    groups: list[tuple[int, dict, dict]] = []  # (world, rank -> its pid, rank -> its global steps)
+    for s in steps:
+        g = s.epoch * steps_per_epoch + s.step
+        if not groups or s.world != groups[-1][0] or groups[-1][1].get(s.rank, s.pid) != s.pid:
+            groups.append((s.world, {}, defaultdict(list)))  # a new worker group: new processes
+        groups[-1][1][s.rank] = s.pid
+        groups[-1][2][s.rank].append(g)
+    out = []
+    for world, _, ranks in groups:
+        longest = max(ranks.values(), key=len)
+        assert longest == list(range(longest[0], longest[0] + len(longest))), f"group of {world}: {longest}"
+        for rank in range(world):
+            mine = ranks.get(rank, [])
+            assert mine == longest[:len(mine)] and len(longest) - len(mine) <= 1, (world, rank, mine, longest)
+        out.append((world, longest))
+    return out
+
+
+def steps_per_epoch(args: list[str]) -> int:
+    """Steps per epoch of the run of ``args`` on the 3000-node synthetic graph (1800 training seeds)."""
+    from gnnray.pipeline.seeds import steps_per_epoch as steps
+
+    cfg = parse_args(args)
+    return steps(1800, cfg.sampler.batch_size, cfg.train.workers_max)
+
+
+def replays(groups: list[tuple[int, list[int]]]) -> list[int]:
+    """Steps each worker group trained that the next one trained again (at each resize or restart)."""
+    return [max(0, a[-1] - b[0] + 1) for (_, a), (_, b) in zip(groups, groups[1:])]
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / WORKERS_LOG
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+def recorded_steps_fast(record_dir: Path) -> list[Step]:
+    """World size and time of each recorded step (no plan lookup): for waiting on a world size."""
+    out = []
+    for path in record_dir.glob("*.npy"):
+        t, pid, world, rank = path.stem.split("_")
+        out.append(Step(float(t), int(pid), int(world), int(rank), -1, -1))
+    return out
+
+
+def killed_mid_epoch(tmp_path: Path, args: list[str], workers: int):
+    """Run ``args`` with the recording model; kill a train worker 6 steps into epoch 1; return the job, its steps
+    and the console."""
+    import io
+    import signal
+    from contextlib import redirect_stdout
+
+    records = tmp_path / "records"
+    records.mkdir()
+    per_epoch = steps_per_epoch(args)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        job = JobThread(args, model_factory=lambda f, c, cfg: RecordingModel(f, c, cfg, str(records)))
+        wait_until(lambda: sum(s.rank == 0 for s in recorded_steps_fast(records)) >= per_epoch + 6, JOB_TIMEOUT_S,
+                   "6 steps into epoch 1", job)
+        found = alive_actors("RayTrainWorker")
+        assert len(found) == workers, found
+        os.kill(found[-1].pid, signal.SIGKILL)
+        job.join()
+    print(out.getvalue())
+    assert job.error is None, repr(job.error)
+    return job, attempts(recorded_steps(records, args), per_epoch), out.getvalue()
+
+
+@dataclass(frozen=True)
+class KilledRun:
+    """The run of :func:`killed_fixed_run`: its arguments, storage path and name, the job, its worker groups
+    (:func:`attempts`) and console."""
+
+    args: list
+    storage: Path
+    name: str
+    job: JobThread
+    groups: list
+    out: str
+
+
+@pytest.fixture(scope="session")
+def killed_fixed_run(ray_cluster, tmp_path_factory) -> KilledRun:
+    """One run serves two drills: a fixed run (2 workers, 3 epochs, --checkpoint-every 4, --max-failures 1)
+    whose last train worker is killed 6 steps into epoch 1. Drill 1 (test_faults.py) checks that it restores
+    and finishes; test_elastic.py that it resumes within the epoch, each rank training its piece of the plan."""
+    if "killed" not in _RUNS:
+        storage, name = tmp_path_factory.mktemp("killed"), "fixed"
+        args = SMALL + ["--checkpoint-every", str(EVERY), "--max-failures", "1", "--epochs", "3",
+                        "--storage-path", str(storage), "--name", name]
+        job, groups, out = killed_mid_epoch(storage, args, 2)
+        _RUNS["killed"] = KilledRun(args, storage, name, job, groups, out)
+    return _RUNS["killed"]

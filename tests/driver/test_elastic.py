@@ -10,27 +10,24 @@ fits one more.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from ray import cloudpickle
 
-from drills import JOB_TIMEOUT_S, JobThread, alive_actors, logged, wait_until
+from drills import (EVERY, JOB_TIMEOUT_S, JobThread, RecordingModel, alive_actors, attempts, events,  # noqa: F401
+                    killed_fixed_run, killed_mid_epoch, logged, recorded_steps, recorded_steps_fast, replays,
+                    steps_per_epoch, wait_until)
 from gnnray.config import parse_args
 from gnnray.pipeline.seeds import SeedPlan
-from gnnray.train.report import WORKERS_LOG
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the recording model reaches the workers by value
 
-EVERY = 4  # --checkpoint-every
 EPOCHS = 12  # at most about 7 go by before the last resize (the drain's 15 s at 3 workers: 3 at most)
 ELASTIC = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
            "--batch-size", "32", "--hidden", "16", "--sampler-actors", "1,1", "--eval", "sampled",
@@ -46,110 +43,6 @@ GROUPS = ([1, 3, 2, 1], [1, 2, 3, 2, 1])
 # 20 s refresh) rather than 60.
 RAY_ENV = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}
 
-
-class RecordingModel(torch.nn.Module):
-    """The job's model; each training step first waits while ``pause-W`` exists (W: its world size) and sleeps
-    the seconds ``slow-W`` holds, then records the seeds' features with world size and rank."""
-
-    def __init__(self, in_feats: int, num_classes: int, cfg, record_dir: str):
-        super().__init__()
-        from gnnray.train.model import model_for
-
-        self.net = model_for(in_feats, num_classes, cfg)
-        self.record_dir = record_dir
-
-    def forward(self, blocks, x):
-        if self.training:
-            import ray.train
-
-            ctx = ray.train.get_context()
-            world, rank = ctx.get_world_size(), ctx.get_world_rank()
-            while os.path.exists(os.path.join(self.record_dir, f"pause-{world}")):
-                time.sleep(0.2)
-            slow = os.path.join(self.record_dir, f"slow-{world}")
-            if os.path.exists(slow):
-                time.sleep(float(open(slow).read()))
-            seeds = x[: blocks[-1].num_dst].detach().cpu().numpy().copy()
-            np.save(os.path.join(self.record_dir, f"{time.time():.6f}_{os.getpid()}_{world}_{rank}.npy"), seeds)
-        return self.net(blocks, x)
-
-
-@dataclass(frozen=True)
-class Step:
-    """A training step one rank recorded: when, in which process and group size, and the plan's (epoch, step)."""
-
-    time: float
-    pid: int
-    world: int
-    rank: int
-    epoch: int
-    step: int
-
-
-def recorded_steps(record_dir: Path, args: list[str]) -> list[Step]:
-    """Every recorded step, in time order, located in the plan of its world size (its seeds must be exactly the
-    plan's piece for that rank, or this fails): an elastic run's plans for 1-3 workers, a fixed run's own."""
-    from gnnray.data.load import load_graph
-
-    cfg = parse_args(args)
-    graph = load_graph(cfg.data, cfg.run.seed)
-    node_of = {graph.feat[i].tobytes(): int(i) for i in graph.train_idx}
-    b, most, seed = cfg.sampler.batch_size, cfg.train.workers_max, cfg.run.seed
-    plans = ({w: SeedPlan.elastic(graph.train_idx, b, most, w, seed) for w in range(1, most + 1)}
-             if cfg.train.elastic else {most: SeedPlan.for_run(graph.train_idx, b, most, seed)})
-    where = {}  # (world, rank, seeds) -> (epoch, step)
-    for world, plan in plans.items():
-        for epoch in range(cfg.train.epochs):
-            for j, piece in enumerate(plan.batches(epoch)):
-                where[(world, j % world, tuple(sorted(piece.tolist())))] = (epoch, j // world)
-    steps = []
-    for path in sorted(record_dir.glob("*.npy")):
-        t, pid, world, rank = path.stem.split("_")
-        seeds = tuple(sorted(node_of[row.tobytes()] for row in np.load(path)))
-        key = (int(world), int(rank), seeds)
-        assert key in where, f"{path.name}: rank {rank} of {world} trained seeds that are not its piece of any step"
-        steps.append(Step(float(t), int(pid), int(world), int(rank), *where[key]))
-    return sorted(steps, key=lambda s: s.time)
-
-
-def attempts(steps: list[Step], steps_per_epoch: int) -> list[tuple[int, list[int]]]:
-    """Each worker group's world size and the global steps (``epoch * steps_per_epoch + step``) it trained, in
-    order. Groups follow each other in time; every rank of a group trains the same steps (the last one may be
-    missing on some ranks: the group was ended during it)."""
-    groups: list[tuple[int, dict, dict]] = []  # (world, rank -> its pid, rank -> its global steps)
-    for s in steps:
-        g = s.epoch * steps_per_epoch + s.step
-        if not groups or s.world != groups[-1][0] or groups[-1][1].get(s.rank, s.pid) != s.pid:
-            groups.append((s.world, {}, defaultdict(list)))  # a new worker group: new processes
-        groups[-1][1][s.rank] = s.pid
-        groups[-1][2][s.rank].append(g)
-    out = []
-    for world, _, ranks in groups:
-        longest = max(ranks.values(), key=len)
-        assert longest == list(range(longest[0], longest[0] + len(longest))), f"group of {world}: {longest}"
-        for rank in range(world):
-            mine = ranks.get(rank, [])
-            assert mine == longest[:len(mine)] and len(longest) - len(mine) <= 1, (world, rank, mine, longest)
-        out.append((world, longest))
-    return out
-
-
-def steps_per_epoch(args: list[str]) -> int:
-    """Steps per epoch of the run of ``args`` on the 3000-node synthetic graph (1800 training seeds)."""
-    from gnnray.pipeline.seeds import steps_per_epoch as steps
-
-    cfg = parse_args(args)
-    return steps(1800, cfg.sampler.batch_size, cfg.train.workers_max)
-
-
-def replays(groups: list[tuple[int, list[int]]]) -> list[int]:
-    """Steps each worker group trained that the next one trained again (at each resize or restart)."""
-    return [max(0, a[-1] - b[0] + 1) for (_, a), (_, b) in zip(groups, groups[1:])]
-
-
-def events(run_dir: Path) -> list[dict]:
-    path = run_dir / WORKERS_LOG
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def drain(node_id: str, deadline_s: float) -> None:
@@ -267,15 +160,6 @@ def _resize_seconds(run_dir: Path, records: Path, since: float, world: int) -> d
     return {"to group start": round(start - since, 1), "to first step": round(first - since, 1)}
 
 
-def recorded_steps_fast(record_dir: Path) -> list[Step]:
-    """World size and time of each recorded step (no plan lookup): for waiting on a world size."""
-    out = []
-    for path in record_dir.glob("*.npy"):
-        t, pid, world, rank = path.stem.split("_")
-        out.append(Step(float(t), int(pid), int(world), int(rank), -1, -1))
-    return out
-
-
 @pytest.mark.slow
 def test_run_grows_and_shrinks_and_finishes(scenario):
     job = scenario.job
@@ -324,45 +208,20 @@ def test_console_and_metrics_say_each_resize(scenario):
 # ----------------------------------------------------------------------------- quicker drills, run by CI
 
 
-def _killed_mid_epoch(tmp_path, args: list[str], workers: int):
-    """Run ``args`` with the recording model; kill a train worker 6 steps into epoch 1; return the job, its steps
-    and the console."""
-    import io
-    import signal
-    from contextlib import redirect_stdout
-
-    records = tmp_path / "records"
-    records.mkdir()
-    per_epoch = steps_per_epoch(args)
-    out = io.StringIO()
-    with redirect_stdout(out):
-        job = JobThread(args, model_factory=lambda f, c, cfg: RecordingModel(f, c, cfg, str(records)))
-        wait_until(lambda: sum(s.rank == 0 for s in recorded_steps_fast(records)) >= per_epoch + 6, JOB_TIMEOUT_S,
-                   "6 steps into epoch 1", job)
-        found = alive_actors("RayTrainWorker")
-        assert len(found) == workers, found
-        os.kill(found[-1].pid, signal.SIGKILL)
-        job.join()
-    print(out.getvalue())
-    assert job.error is None, repr(job.error)
-    return job, attempts(recorded_steps(records, args), per_epoch), out.getvalue()
-
-
-def test_fixed_run_trains_its_plan_and_resumes_within_the_epoch(ray_cluster, tmp_path):
+def test_fixed_run_trains_its_plan_and_resumes_within_the_epoch(killed_fixed_run):
     """A fixed run (--num-workers 2) trains the seeds of the plan it always had, each rank its piece of every
-    step; with --checkpoint-every a killed worker costs at most that many steps: the driver resumes mid-epoch."""
-    args = ELASTIC[:ELASTIC.index("--cpus-per-worker")] + [
-        "--num-workers", "2", "--checkpoint-every", str(EVERY), "--max-failures", "1", "--epochs", "3",
-        "--storage-path", str(tmp_path), "--name", "fixed"]
-    job, groups, out = _killed_mid_epoch(tmp_path, args, 2)
-    per_epoch = steps_per_epoch(args)
+    step; with --checkpoint-every a killed worker costs at most that many steps: the driver resumes mid-epoch.
+    (The run is drills.killed_fixed_run, which drill 1 of test_faults.py also reads.)"""
+    run = killed_fixed_run
+    job, groups, out = run.job, run.groups, run.out
+    per_epoch = steps_per_epoch(run.args)
     assert [w for w, _ in groups] == [2, 2] and job.summary.restarts == 1
     first, second = (g for _, g in groups)
     assert per_epoch < second[0] < 2 * per_epoch  # resumed within epoch 1, at a checkpoint's step
     assert (second[0] - per_epoch) % EVERY == 0 and replays(groups) == [first[-1] - second[0] + 1]
     assert 0 <= replays(groups)[0] <= EVERY
     assert sorted(set(first) | set(second)) == list(range(3 * per_epoch))
-    lines = logged(tmp_path, "fixed")
+    lines = logged(run.storage, run.name)
     resumed = [m for m in lines if m["restarts"] == 1][0]
     assert resumed["epoch"] == 1 and resumed["first_step"] == second[0] - per_epoch
     assert f"from epoch 1 step {second[0] - per_epoch}" in out
@@ -372,7 +231,7 @@ def test_elastic_run_restarts_within_one_fit(ray_cluster, tmp_path):
     """--num-workers 1,3 with room for one worker: a killed worker is restarted by Ray Train within the run's one
     fit (no driver restart), from the checkpoint within the epoch, its stream made again for the new group."""
     args = ELASTIC + ["--epochs", "3", "--max-failures", "1", "--storage-path", str(tmp_path), "--name", "el"]
-    job, groups, out = _killed_mid_epoch(tmp_path, args, 1)
+    job, groups, out = killed_mid_epoch(tmp_path, args, 1)
     per_epoch = steps_per_epoch(args)
     assert [w for w, _ in groups] == [1, 1] and job.summary.restarts == 1
     assert 0 <= replays(groups)[0] <= EVERY

@@ -11,35 +11,30 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 from ray import cloudpickle
 
-from drills import (JOB_TIMEOUT_S, SMALL, JobThread, actor_restarts, alive_actors, check_epochs, logged,
-                    resumed_run, wait_until)  # noqa: F401 (fixture)
+from drills import (JOB_TIMEOUT_S, SMALL, JobThread, actor_restarts, alive_actors, check_epochs,
+                    killed_fixed_run, logged, resumed_run, wait_until)  # noqa: F401 (fixtures)
 
 # The custom models below must reach the workers by value: tests/ is not on their path.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def test_train_worker_killed_mid_epoch(ray_cluster, tmp_path):
-    """Drill 1: a train worker is killed mid-epoch; the run restores the last checkpoint and finishes."""
-    epochs = 4
-    job = JobThread(SMALL + ["--epochs", str(epochs), "--max-failures", "1", "--storage-path", str(tmp_path),
-                             "--name", "d1"])
-    wait_until(lambda: len(logged(tmp_path, "d1")) >= 2, JOB_TIMEOUT_S, "epoch 1", job)
-    time.sleep(min(logged(tmp_path, "d1")[1]["epoch_time"] / 2, 3.0))  # into epoch 2
-    workers = alive_actors("RayTrainWorker")
-    assert len(workers) == 2, workers
-    os.kill(workers[-1].pid, signal.SIGKILL)
+def test_train_worker_killed_mid_epoch(killed_fixed_run):
+    """Drill 1: a train worker is killed mid-epoch; the run restores the last checkpoint and finishes.
 
-    job.join()
+    The run is drills.killed_fixed_run (2 workers, 3 epochs, the last worker killed 6 steps into epoch 1),
+    shared with test_elastic.py's check of what it trained.
+    """
+    run = killed_fixed_run
+    job = run.job
     assert job.error is None, repr(job.error)
     assert job.summary.restarts == 1 and job.summary.metrics["restarts"] == 1
-    check_epochs(logged(tmp_path, "d1"), epochs, restarts=1)
+    check_epochs(logged(run.storage, run.name), 3, restarts=1)
 
 
 def test_sampler_actor_killed_is_replaced(ray_cluster, tmp_path):

@@ -69,14 +69,14 @@ def test_table_larger_than_a_node_store_trains_sharded(shard_nodes, tmp_path, pu
 
 
 def test_same_first_epoch_loss_and_remote_bytes_drop_with_the_cache(shard_nodes, tmp_path, ray_cluster):
-    from test_metrics import _Scraper
+    from shared_runs import Scraper
 
     replicated, _ = _run(EXACT, tmp_path)
     assert "remote_bytes_per_batch" not in replicated.metrics
     runs = {}
-    for cache in ("0", "0.1", "0.3"):
+    for cache in ("0", "0.3"):  # two levels show the drop; each level more is one more job run
         name = f"cache-{cache}-{uuid.uuid4().hex[:6]}"
-        with _Scraper(ray_cluster, name) as scraper:
+        with Scraper(ray_cluster, name) as scraper:
             summary = run(parse_args(EXACT + ["--feature-shards", "3", "--feature-cache", cache, "--storage-path",
                                               str(tmp_path), "--name", name]))
             scraper.scrape()
@@ -86,10 +86,10 @@ def test_same_first_epoch_loss_and_remote_bytes_drop_with_the_cache(shard_nodes,
         assert metrics["loss"] == pytest.approx(replicated.metrics["loss"], rel=1e-6), cache  # same features
         assert line["remote_bytes_per_batch"] == metrics["remote_bytes_per_batch"]  # in metrics.jsonl
         assert exported > 0, cache  # and exported to Prometheus
-    hits = [runs[c][0]["cache_hit_rate"] for c in (0.0, 0.1, 0.3)]
-    remote = [runs[c][0]["remote_bytes_per_batch"] for c in (0.0, 0.1, 0.3)]
-    assert hits[0] == 0 and hits[0] < hits[1] < hits[2], hits
-    assert remote[0] > remote[1] > remote[2] > 0, remote
+    hits = [runs[c][0]["cache_hit_rate"] for c in (0.0, 0.3)]
+    remote = [runs[c][0]["remote_bytes_per_batch"] for c in (0.0, 0.3)]
+    assert hits[0] == 0 < hits[1], hits
+    assert remote[0] > remote[1] > 0, remote
 
 
 def test_sharded_embeddings_train_as_replicated_ones(shard_nodes, tmp_path):

@@ -112,17 +112,7 @@ def test_layerwise_task_equals_the_full_graph_forward(ray_cluster, tmp_path, nam
     assert os.listdir(tmp_path) == ["preds.parquet"]
 
 
-@pytest.fixture(scope="module")
-def cora_run(ray_cluster, tmp_path_factory):
-    """One SAGE training run on cora with --eval layerwise (the sampled test accuracy is kept beside it)."""
-    from gnnray.driver.fit import run
-
-    cora = shared_dataset("cora")
-    storage = tmp_path_factory.mktemp("runs")
-    cfg = parse_args(["--dataset", str(cora), "--normalize-features", "--epochs", "20", "--batch-size", "32",
-                      "--fanouts", "10,10", "--hidden", "64", "--lr", "0.01", "--weight-decay", "5e-4",
-                      "--num-workers", "2", "--storage-path", str(storage), "--name", "cora"])
-    return run(cfg), storage
+# cora_run (tests/conftest.py): one SAGE run on cora with --eval layerwise, shared with tests/test_job.py.
 
 
 def test_cora_layerwise_matches_or_beats_sampled(cora_run):

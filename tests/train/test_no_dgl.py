@@ -54,7 +54,7 @@ def test_train_worker_never_imports_dgl(ray_cluster, tmp_path):
                 raise RuntimeError("the train worker has imported dgl")
 
     args = ["--dataset", "synthetic", "--synthetic-nodes", "1000", "--synthetic-feat-dim", "8", "--fanouts", "5,5",
-            "--batch-size", "200", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1", "--epochs", "2",
+            "--batch-size", "200", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1", "--epochs", "1",
             "--eval-batch-size", "64", "--inference-batch-size", "128", "--storage-path", str(tmp_path),
             "--name", "nodgl"]
     cfg = parse_args(args)
