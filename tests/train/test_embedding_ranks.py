@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -163,11 +164,24 @@ def test_a_lost_owner_is_named_with_its_node(ray_cluster, shard_nodes):
     bad = owners[0][3].gather.remote(np.array([10**6]))  # an error inside the owner is named the same way
     with pytest.raises(FeatureShardError, match=r"embedding shard 0:70 on node sim0 \(.*\) failed: .*IndexError"):
         table._get_all([(owners[0], bad)])
-    ray_cluster.kill(owners[1][3])
+    _kill(ray_cluster, owners[1][3])
     with pytest.raises(FeatureShardError, match=r"embedding shard 70:140 on node sim1 \(.*\) was lost"):
         table(torch.arange(N))
     for o in owners:
         ray_cluster.kill(o[3])
+
+
+def _kill(ray, owner, timeout_s: float = 60.0) -> None:
+    """``ray.kill`` only asks: a call sent at once can still be served. Return once the owner's calls fail."""
+    ray.kill(owner)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(owner.ping.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the owner still answers {timeout_s:.0f} s after ray.kill")
 
 
 def _packed(i: int, n: int, width: int = 12):
