@@ -18,8 +18,8 @@ import numpy as np
 
 # Edges per step of the chunked build: bounds its temporaries (int64).
 CHUNK_EDGES = 1 << 23
-# The reverse-edge build takes its keys in ranges of at least this many edges, and at most 8 ranges: each
-# range is one pass over the edge list; its temporaries are ~32 bytes per key (4 per edge at E/8 a range).
+# The reverse-edge build takes its keys in ranges of at least this many edges, one per thread: each range is
+# one pass over the edge list; its keys are 8 bytes each (17 while duplicates are dropped).
 RANGE_EDGES = 1 << 25
 
 
@@ -207,8 +207,10 @@ def bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
 
     m, threads = int(src.shape[0]), max(1, torch.get_num_threads())
     starts = range(0, m, chunk)
+    # One n-sized sum per thread over every threads-th chunk: a per-chunk result each would hold E / chunk of them.
     deg = torch.full((n,), 1 if self_loops else 0, dtype=torch.int64)
-    for part in _parallel(lambda a: _chunk_degrees(src, dst, a, chunk, n), starts, threads):
+    for part in _parallel(lambda group: _chunk_degrees(src, dst, group, chunk, n),
+                          [starts[t::threads] for t in range(threads)], threads):
         deg += part
     ends = torch.cumsum(deg, 0).numpy()  # in-edges of nodes 0..v, duplicates included
     del deg
@@ -263,12 +265,15 @@ def _parallel(fn, items, threads: int) -> list:
         return list(pool.map(fn, items))
 
 
-def _chunk_degrees(src, dst, a: int, chunk: int, n: int):
-    """In-degree of each node in both directions, over the edges ``a .. a + chunk``."""
+def _chunk_degrees(src, dst, starts: range, chunk: int, n: int):
+    """In-degree of each node in both directions, over the edges ``a .. a + chunk`` for each ``a`` of ``starts``."""
     import torch
 
-    return (torch.bincount(_tensor(dst[a:a + chunk]).to(torch.int64), minlength=n)
-            + torch.bincount(_tensor(src[a:a + chunk]).to(torch.int64), minlength=n))
+    deg = torch.zeros(n, dtype=torch.int64)
+    for a in starts:
+        deg += torch.bincount(_tensor(dst[a:a + chunk]).to(torch.int64), minlength=n)
+        deg += torch.bincount(_tensor(src[a:a + chunk]).to(torch.int64), minlength=n)
+    return deg
 
 
 def _range_keys(src, dst, v: int, w: int, count: int, self_loops: bool, chunk: int, shift: int, whole: bool):
