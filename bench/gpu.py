@@ -10,18 +10,19 @@ batches (:func:`synthetic_batch`):
   value, and the time per step on each; on CUDA also the host syncs of a
   training step (``train_epoch``: model, loss, Adam), counted with torch's sync
   debug mode;
-- ``prefetch float32|float16``: time per batch with the ``Prefetcher`` against
+- ``prefetch float32|float16`` (median of 3 runs): per batch with the ``Prefetcher`` against
   the larger of its copy (gather + host-to-device) and the compute, and the
   serial time (gather, pageable copy, compute in turn);
+- ``layerwise NAME``: layer-wise full-neighbor inference (``train.layerwise.infer``, what the workers run
+  after the last epoch) on the device against the CPU, on a random arxiv-sized graph: the last hidden
+  layer's rows and the predictions compared, and the time of each;
 - ``ddp step``: ``train_epoch`` under DDP fed by the ``Prefetcher``, with NCCL
   (one process per GPU; one process on a single GPU), or gloo on the CPU: time
   per step, and the ranks' weights equal afterwards.
 
-It prints a table and writes every number to ``bench-results/gpu.json``. A row
-that fails shows its error and the others still run; the exit status is 1 if
-any failed. Without CUDA everything runs on the CPU at small sizes, as a smoke
-test (CI runs it: tests/test_gpu_bench.py), and says so. ``bench/cli.py`` runs
-the prefetch row as its figure 5 (:func:`bench_gpu`).
+It prints a table and writes every number to ``bench-results/gpu.json``; a failed row shows its error, the
+others still run, and the exit status is 1. Without CUDA every row runs on the CPU at small sizes, as a
+smoke test (tests/test_gpu_bench.py), and says so. ``python -m bench`` runs the prefetch row as figure 5.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ RELATIONS = 3  # of the typed batches the relational models get
 
 # Sizes: an arxiv-like batch (1024 seeds, fanouts 15,10,5, 128 features, 3 x 256), and the smoke test's.
 FULL = dict(batch=1024, fanouts=(15, 10, 5), in_feats=128, hidden=256, classes=40, heads=4, reps=10,
-            prefetch_batches=30, prefetch_inputs=100_000, ddp_steps=10)
+            prefetch_batches=30, prefetch_inputs=100_000, ddp_steps=10, graph_nodes=169_343, graph_edges=2_330_000)
 SMOKE = dict(batch=32, fanouts=(4, 3), in_feats=16, hidden=16, classes=5, heads=2, reps=2,
-             prefetch_batches=6, prefetch_inputs=2_000, ddp_steps=3)
+             prefetch_batches=6, prefetch_inputs=2_000, ddp_steps=3, graph_nodes=500, graph_edges=3_000)
 
 
 def synthetic_batch(rng: np.random.Generator, batch: int, fanouts, num_classes: int, num_relations: int = 1,
@@ -131,8 +132,8 @@ def model_row(name: str, dev: torch.device, z: dict) -> dict:
         return out
 
     out_cpu, out_dev = step(on_cpu, mb), step(on_dev, mb_dev).cpu()
-    scale = float(out_cpu.abs().max()) or 1.0
-    out_diff = float((out_cpu - out_dev).abs().max())
+    scale = float(out_cpu.detach().abs().max()) or 1.0
+    out_diff = float((out_cpu - out_dev).detach().abs().max())
     grad_diff, grad_scale = 0.0, 0.0
     for (pname, p), q in zip(on_cpu.named_parameters(), on_dev.parameters()):
         if p.grad is None or q.grad is None:
@@ -240,6 +241,42 @@ def prefetch_overlap(device: str, batches: int = 20, input_nodes: int = 100_000,
                 met=prefetch_s <= 1.1 * max(copy_s, compute_s) if dev.type == "cuda" else None)
 
 
+def layerwise_row(name: str, dev: torch.device, z: dict) -> dict:
+    """Layer-wise inference of ``name`` (same weights) on ``dev`` and on the CPU, over a random graph."""
+    from gnnray.data.csc import csc_from_edges
+    from gnnray.data.graph import Graph
+    from gnnray.train.layerwise import SliceRows, infer
+
+    rng, n = np.random.default_rng(2), z["graph_nodes"]
+    indptr, indices = csc_from_edges(rng.integers(0, n, z["graph_edges"]), rng.integers(0, n, z["graph_edges"]), n)
+    ids = rng.permutation(n)
+    graph = Graph(indptr, indices, rng.standard_normal((n, z["in_feats"]), dtype=np.float32),
+                  rng.integers(0, z["classes"], n), np.sort(ids[:n // 2]), np.sort(ids[n // 2:3 * n // 4]),
+                  np.sort(ids[3 * n // 4:]), z["classes"], "random")
+    torch.manual_seed(0)
+    on_cpu = _model(name, z)
+    runs = {}
+    for where, model in (("cpu", on_cpu), ("device", copy.deepcopy(on_cpu).to(dev))):
+        d = torch.device("cpu") if where == "cpu" else dev
+        infer(model, graph, [SliceRows([(0, graph.feat)])], 10_000, d, keep_input=True)  # warm-up
+        _sync(d)
+        t = time.perf_counter()
+        runs[where] = infer(model, graph, [SliceRows([(0, graph.feat)])], 10_000, d, keep_input=True)
+        runs[where].seconds = time.perf_counter() - t
+    a, b = runs["cpu"], runs["device"]
+    scale = float(np.abs(a.last_input).max()) or 1.0
+    diff = float(np.abs(a.last_input - b.last_input).max())
+    row = dict(nodes=n, edges=int(indptr[-1]), hidden_rel_diff=diff / scale, pred_agree=float(np.mean(a.pred == b.pred)), cpu_s=a.seconds, device_s=b.seconds)
+    row["met"] = row["hidden_rel_diff"] <= REL_TOL and row["pred_agree"] >= 0.999
+    return row
+
+
+def _median_run(runs: list) -> dict:
+    """The run whose ratio is the median of ``runs`` (one run's timings are noisy), with every ratio kept."""
+    runs = sorted(runs, key=lambda r: r["prefetch_over_bound"])
+    return dict(runs[len(runs) // 2], ratios=[r["prefetch_over_bound"] for r in runs])
+
+
 def _ddp_rank(rank: int, world: int, port: int, device_type: str, z: dict, out: str) -> None:
     """One DDP rank: ``train_epoch`` over Prefetcher batches; writes its step time and weights' checksum."""
     import torch.distributed as dist
@@ -341,9 +378,10 @@ def run(smoke: bool) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     jobs: list[tuple[str, Callable[[], dict]]] = [(f"model {m}", lambda m=m: model_row(m, dev, z)) for m in MODELS]
+    jobs += [(f"layerwise {m}", lambda m=m: layerwise_row(m, dev, z)) for m in MODELS if not m.startswith("r")]
     for dtype in (np.float32, np.float16):
-        jobs.append((f"prefetch {np.dtype(dtype).name}", lambda dtype=dtype: prefetch_overlap(
-            str(dev), z["prefetch_batches"], z["prefetch_inputs"], z["in_feats"], dtype)))
+        jobs.append((f"prefetch {np.dtype(dtype).name}", lambda dtype=dtype: _median_run([prefetch_overlap(
+            str(dev), z["prefetch_batches"], z["prefetch_inputs"], z["in_feats"], dtype) for _ in range(3)])))
     jobs.append(("ddp step", lambda: ddp_row(dev, z)))
     rows = {}
     for name, fn in jobs:
@@ -369,6 +407,9 @@ def table(result: dict) -> str:
             text = (f"out rel diff {r['out_rel_diff']:.1e}, grad rel diff {r['grad_rel_diff']:.1e}; step "
                     f"{1000 * r['device_step_s']:.2f} ms on {result['device']} vs {1000 * r['cpu_step_s']:.2f} ms on "
                     f"cpu" + (f"; {r['host_syncs_per_step']:g} host syncs/step" if "host_syncs_per_step" in r else ""))
+        elif name.startswith("layerwise"):
+            text = (f"{r['nodes']:,} nodes: hidden rel diff {r['hidden_rel_diff']:.1e}, predictions agree "
+                    f"{100 * r['pred_agree']:.2f}%; {r['device_s']:.2f} s on {result['device']} vs {r['cpu_s']:.2f} s on cpu")
         elif name.startswith("prefetch"):
             text = (f"{1000 * r['prefetch_s']:.2f} ms/batch with the Prefetcher vs max(copy {1000 * r['copy_s']:.2f}, "
                     f"compute {1000 * r['compute_s']:.2f}) = {r['prefetch_over_bound']:.2f}x; serial "

@@ -25,13 +25,18 @@ device widens them.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import torch
 
 from gnnray.data.graph import Graph
 from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls
+
+# Tables are read through torch without a copy: the store's pages are read-only, and they are only read.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 @dataclass
@@ -95,7 +100,7 @@ class LocalRows(FeatureReader):
         self._feat, self.dim, self.dtype = feat, int(feat.shape[1]), np.dtype(feat.dtype)
 
     def gather(self, ids, out):
-        _take(self._feat, ids, out)
+        take_rows(self._feat, ids, out)
         s = self._stats
         s.batches, s.rows, s.local_rows = s.batches + 1, s.rows + len(ids), s.local_rows + len(ids)
 
@@ -138,9 +143,9 @@ class ShardedRows(FeatureReader):
                 calls.append((shard, pos, shard.server.gather.remote(ids[pos] - shard.lo)))
         cached = order[at[-1]:]
         if cached.size:
-            _take(self._cached, self._slot[ids[cached]], out, rows=cached)
+            take_rows(self._cached, self._slot[ids[cached]], out, rows=cached)
         for k, pos in local:
-            _take(self._local[k], ids[pos] - self._h.shards[k].lo, out, rows=pos)
+            take_rows(self._local[k], ids[pos] - self._h.shards[k].lo, out, rows=pos)
         start = time.perf_counter()
 
         def put(i, rows):  # each shard's rows as they arrive, while the others are still on the way
@@ -161,12 +166,20 @@ def reader_for(graph: Graph, features: Optional[ShardedFeatures]) -> FeatureRead
     return LocalRows(graph.feat) if features is None else ShardedRows(features)
 
 
-def _take(table: np.ndarray, ids: np.ndarray, out: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
     """``out[rows] = table[ids]`` (all of ``out`` without ``rows``), widening float16 into a float32 ``out``; no
-    temporary where the dtypes match."""
-    if rows is None and table.dtype == out.dtype:
-        np.take(table, ids, axis=0, out=out)
+    temporary where the dtypes match.
+
+    torch's ``index_select``, not ``np.take``: it runs on torch's threads, and ``np.take(..., out=)`` buffers
+    its whole output (mode "raise"), 3x slower even on one thread (docs/performance.md). Ids out of range
+    raise, as np.take's did.
+    """
+    src, dst = torch.from_numpy(table), torch.from_numpy(out)
+    idx = np.asarray(ids)
+    idx = torch.from_numpy(idx if idx.dtype in (np.int32, np.int64) else idx.astype(np.int64))
+    if rows is None and table.dtype == out.dtype and dst.is_contiguous():
+        torch.index_select(src, 0, idx, out=dst)
     elif rows is None:
-        out[:] = np.take(table, ids, axis=0)
+        dst.copy_(torch.index_select(src, 0, idx))
     else:
-        out[rows] = np.take(table, ids, axis=0)
+        dst[torch.from_numpy(np.asarray(rows, dtype=np.int64))] = torch.index_select(src, 0, idx).to(dst.dtype)

@@ -26,6 +26,7 @@ from torch import nn
 import torch.nn.functional as F
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")  # torch >= 2.5
 
 
 class Csr:

@@ -37,7 +37,7 @@ import torch
 
 from gnnray.data.graph import Graph
 from gnnray.pipeline.batch import Layer
-from gnnray.pipeline.features import FeatureReader
+from gnnray.pipeline.features import FeatureReader, take_rows
 
 _SPLITS = ("train", "valid", "test")
 
@@ -86,7 +86,7 @@ class SliceRows(FeatureReader):
     def gather(self, ids, out):
         ids = np.asarray(ids, dtype=np.int64)
         if len(self._parts) == 1:
-            np.take(self._parts[0], ids - self._starts[0], axis=0, out=out)
+            take_rows(self._parts[0], ids - self._starts[0], out)
         else:
             part = np.searchsorted(self._starts, ids, side="right") - 1
             order = np.argsort(part, kind="stable")
@@ -94,7 +94,7 @@ class SliceRows(FeatureReader):
             for k, rows in enumerate(self._parts):
                 p = order[bounds[k]:bounds[k + 1]]
                 if len(p):
-                    out[p] = rows[ids[p] - self._starts[k]]
+                    take_rows(rows, ids[p] - self._starts[k], out, rows=p)
         s = self._stats
         s.batches, s.rows, s.local_rows = s.batches + 1, s.rows + len(ids), s.local_rows + len(ids)
 
