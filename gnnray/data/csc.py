@@ -18,8 +18,8 @@ import numpy as np
 
 # Edges per step of the chunked build: bounds its temporaries (int64).
 CHUNK_EDGES = 1 << 23
-# The reverse-edge build takes its keys in ranges of at least this many edges, one per thread: each range is
-# one pass over the edge list; its keys are 8 bytes each (17 while duplicates are dropped).
+# The reverse-edge build takes its keys in ranges of at least this many edges, two per thread: each range is
+# one pass over the edge list; its keys are 8 bytes each.
 RANGE_EDGES = 1 << 25
 
 
@@ -191,33 +191,35 @@ def bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
 
     Each node's in-neighbors come sorted by id, plus a self loop for every
     node if ``self_loops``. Destination nodes are taken in ranges of about
-    ``max(range_edges, E / threads)`` in-edges (``E`` both directions), one
-    range per thread at a time, since a 1-D sort runs on one core: for each,
-    the keys ``(dst - first) << 32 | src`` of its edges are gathered from the
-    edge list (``chunk`` edges at a time), sorted in place (numpy's sort,
-    with the GIL released: about 3 times faster than ``torch.sort``, and
-    without its int64 order), and duplicates dropped by comparing
-    neighbours. Peak memory is ``indices`` sized for all ``E`` edges (int32
-    below 2**31 nodes), two ``n``-sized counters and the ranges in flight,
-    8 bytes a key (17 while duplicates are dropped): ``E * 8`` bytes, twice
-    ``indices``, up to about twice that. ``src`` and ``dst`` may be
-    memory-mapped.
+    ``max(range_edges, E / (2 * threads))`` in-edges (``E`` both directions),
+    one range per thread at a time, since a 1-D sort runs on one core: for
+    each, the keys ``(dst - first) << 32 | src`` of its edges are gathered
+    from the edge list (``chunk`` edges at a time), sorted in place (numpy's
+    sort, with the GIL released: about 3 times faster than ``torch.sort``,
+    and without its int64 order), then duplicates are dropped by comparing
+    neighbours and the sources written, a chunk at a time. Peak memory is
+    ``indices`` sized for all ``E`` edges (int32 below 2**31 nodes), two
+    ``n``-sized counters and the ranges in flight, 8 bytes a key: ``E * 4``
+    bytes, as much as ``indices``, and a chunk's temporaries per thread.
+    ``src`` and ``dst`` may be memory-mapped.
     """
     import torch
 
     m, threads = int(src.shape[0]), max(1, torch.get_num_threads())
     starts = range(0, m, chunk)
-    # One n-sized sum per thread over every threads-th chunk: a per-chunk result each would hold E / chunk of them.
+    # One n-sized sum per group of chunks, at most 4 groups: not one per chunk (E / chunk of them) nor one per
+    # thread of a many-core node (64 x 0.9 GB at papers100M); a linear pass, cheap beside the sorts.
+    groups = min(threads, 4)
     deg = torch.full((n,), 1 if self_loops else 0, dtype=torch.int64)
     for part in _parallel(lambda group: _chunk_degrees(src, dst, group, chunk, n),
-                          [starts[t::threads] for t in range(threads)], threads):
+                          [starts[t::groups] for t in range(groups)], groups):
         deg += part
     ends = torch.cumsum(deg, 0).numpy()  # in-edges of nodes 0..v, duplicates included
     del deg
     total = int(ends[-1]) if n else 0
     indices = np.empty(total, dtype=structure_dtypes(n, total)[1])
     out, counts = torch.from_numpy(indices), torch.zeros(n, dtype=torch.int64)
-    step = max(range_edges, -(-total // threads))
+    step = max(range_edges, -(-total // (2 * threads)))  # two ranges per thread: half the keys in flight
     shift = max(32, (n - 1).bit_length())  # a key's low bits: the source; its high bits: the destination's offset
     ranges, v = [], 0
     while v < n:
@@ -227,19 +229,24 @@ def bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
         v = w
 
     def build(vw: tuple) -> int:
-        """Sort and de-duplicate the range's keys; write its columns at its first slot and its counts."""
+        """Sort the range's keys; write its de-duplicated columns from its first slot and its counts."""
         v, w = vw
         first = int(ends[v - 1]) if v else 0
         key = _range_keys(src, dst, v, w, int(ends[w - 1]) - first, self_loops, chunk, shift, len(ranges) == 1)
         key.numpy().sort()  # in place, the GIL released; torch.sort would also return an int64 order
-        keep = torch.ones(key.numel(), dtype=torch.bool)
-        torch.ne(key[1:], key[:-1], out=keep[1:])
-        key = key[keep]
-        del keep
-        out[first:first + key.numel()] = key & ((1 << shift) - 1)
-        counts[v:w] = torch.bincount(key >> shift, minlength=w - v)
-        return key.numel()
-
+        # Duplicates dropped and columns written a chunk at a time: temporaries of a chunk, not of the range.
+        at, low = first, (1 << shift) - 1
+        for a in range(0, key.numel(), chunk):
+            part = key[a:a + chunk]
+            keep = torch.ones(part.numel(), dtype=torch.bool)
+            torch.ne(part[1:], part[:-1], out=keep[1:])
+            if a:
+                keep[0] = bool(part[0] != key[a - 1])
+            part = part[keep]
+            out[at:at + part.numel()] = part & low
+            counts[v:w] += torch.bincount(part >> shift, minlength=w - v)
+            at += part.numel()
+        return at - first
     kept = _parallel(build, ranges, threads)
     written = 0  # close the gaps the dropped duplicates left, in order (numpy copes with the overlap)
     for (v, _), size in zip(ranges, kept):

@@ -190,6 +190,9 @@ class Prefetcher:
                     return
                 if not self._put(self._prepare(packed, self._slots[i % len(self._slots)])):
                     return
+            # Every row prepared: the host buffers (a batch's features each) go once the batches that view them
+            # are taken, before what follows the last epoch (evaluation) allocates its own.
+            self._slots = []
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(_Failure(exc))

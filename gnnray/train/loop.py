@@ -182,9 +182,10 @@ def train_loop(config: dict) -> None:
             last = epoch == cfg.train.epochs - 1
             if last:
                 metrics["test_acc"] = evaluator.accuracy(model, "test")
-                if cfg.train.eval == "layerwise" and supports_layerwise(model):
-                    metrics.update(final_layerwise(model, graph, setup, embedding, device, rank, world,
-                                                   metrics["test_acc"]))
+            metrics["eval_time"] = time.monotonic() - started  # sampled validation (and test), this rank
+            if last and cfg.train.eval == "layerwise" and supports_layerwise(model):
+                metrics.update(final_layerwise(model, graph, setup, embedding, device, rank, world,
+                                               metrics["test_acc"]))
             metrics["worker_uss_mb"] = memory.max_mb(device, fresh=last)
             if cpu_used:  # what the CPU plan gave this rank (README, "The CPU plan")
                 metrics.update(cpu_threads=cpu_used["torch_threads"], cpu_cores=cpu_used["cores"],
