@@ -46,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 SPLIT = (196_615, 39_323, 48_981)  # ogbn-products' train / valid / test, of 2,449,029 nodes
 MARK = "PHASE "
 RESULT = "RESULT "
+# What jobs/train_arxiv.py sets before pyarrow loads; both loaders get it, so the comparison is of the builds.
+ARROW_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system"}
 
 
 def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0) -> None:
@@ -161,7 +163,7 @@ def run_dgl(graph_dir: Path, feat: int) -> dict:
     spec = json.dumps(dict(graph=str(graph_dir), feat=feat))
     mem = Memory()
     lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--dgl-script", spec],
-                                        dict(os.environ))
+                                        dict(os.environ, **ARROW_ENV))
     mem.stop()
     if rc:
         raise RuntimeError(f"the DGL script exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
@@ -285,7 +287,7 @@ def load_only(graph_dir: Path, repeat: int = 1) -> dict:
     for _ in range(repeat):
         for which in runs:
             lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--load-script", which,
-                                                 str(graph_dir)], dict(os.environ))
+                                                 str(graph_dir)], dict(os.environ, **ARROW_ENV))
             if rc:
                 raise RuntimeError(f"{which} load exited with {rc}: " + "\n".join(t for _, t in lines[-10:]))
             runs[which].append(dict(json.loads([t for _, t in lines if t.startswith(RESULT)][-1][len(RESULT):]),

@@ -38,9 +38,3 @@ step  file                        runs on                 output
 - Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
   ``metrics.py`` (Prometheus metrics of workers and sampler actors).
 """
-
-import os
-
-# Arrow's default pool (mimalloc) keeps what it freed: after reading a 250 M-edge graph directory it held
-# 3.6 GB the process no longer used, through the whole CSC build. Arrow reads this at its first import.
-os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
