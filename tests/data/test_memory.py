@@ -67,6 +67,14 @@ def test_graph_is_held_once_per_node(ray_cluster):
     assert min(copied) > 0.8 * size, f"copying readers grew only {[g / 2**20 for g in copied]} MiB"
 
 
+# glibc's default threshold, fixed: every allocation over 128 KiB is its own mapping, returned when freed.
+# The drivers below run with it: by default the first large free raises the threshold (up to 32 MiB), after
+# which freed loading temporaries stay cached in the loading thread's malloc arena, 15-40 MiB that varied from
+# run to run (the peak of a --feature-shards 3 driver grew 15.7 MiB between two runs that differ only in a
+# table it never holds).
+_FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**10)}
+
+
 # A driver that publishes with --feature-shards, in its own process (its own peak RSS), joined to the tests'
 # cluster: prints its peak RSS after publishing.
 _DRIVER = """
@@ -86,7 +94,7 @@ def _driver_peak(cluster, tmp_path, **data) -> int:
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, RAY_ADDRESS=cluster.address)
+    env = dict(os.environ, RAY_ADDRESS=cluster.address, **_FIXED_MMAP)
     proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(data), str(tmp_path)], env=env, text=True,
                           capture_output=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -129,8 +137,6 @@ kept = np.array(pub.graph.feat)
 print("ANON", dropped, anon())
 """
 
-# glibc's default threshold, fixed: every allocation over 128 KiB is its own mapping, returned when freed.
-_FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": str(128 * 2**10)}
 
 
 def _driver_anon(cluster, tmp_path, **data) -> dict[bool, int]:
