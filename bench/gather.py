@@ -16,20 +16,15 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import numpy as np
 import torch
 
 
-def _median_ms(fn, reps: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+def _median_ms(fn) -> float:
+    from bench.gpu import _median_s
+
+    return 1000 * _median_s(fn, torch.device("cpu"), 9)  # h2d synchronises itself
 
 
 def gather(cores: int) -> dict:

@@ -247,6 +247,7 @@ def bidirected_csc(src: np.ndarray, dst: np.ndarray, n: int, self_loops: bool,
             counts[v:w] += torch.bincount(part >> shift, minlength=w - v)
             at += part.numel()
         return at - first
+
     kept = _parallel(build, ranges, threads)
     written = 0  # close the gaps the dropped duplicates left, in order (numpy copes with the overlap)
     for (v, _), size in zip(ranges, kept):

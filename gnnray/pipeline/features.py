@@ -25,7 +25,6 @@ device widens them.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,9 +33,7 @@ import torch
 
 from gnnray.data.graph import Graph
 from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls
-
-# Tables are read through torch without a copy: the store's pages are read-only, and they are only read.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+from gnnray.data.store import readonly_tensor
 
 
 @dataclass
@@ -174,7 +171,7 @@ def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray, rows: Optiona
     its whole output (mode "raise"), 3x slower even on one thread (docs/performance.md). Ids out of range
     raise, as np.take's did.
     """
-    src, dst = torch.from_numpy(table), torch.from_numpy(out)
+    src, dst = readonly_tensor(table), torch.from_numpy(out)  # the table may be the store's read-only pages
     idx = np.asarray(ids)
     idx = torch.from_numpy(idx if idx.dtype in (np.int32, np.int64) else idx.astype(np.int64))
     if rows is None and table.dtype == out.dtype and dst.is_contiguous():

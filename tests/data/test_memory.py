@@ -138,7 +138,6 @@ print("ANON", dropped, anon())
 """
 
 
-
 def _driver_anon(cluster, tmp_path, **data) -> dict[bool, int]:
     """The driver's anonymous memory once published, without (``False``) and with (``True``) a kept copy."""
     import json
