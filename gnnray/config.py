@@ -11,7 +11,7 @@ from a checkpoint.
 Why a small helper and not tyro, simple-parsing or jsonargparse: the flags
 users know (``--sampler-actors MIN,MAX``, ``--use-gpu auto|yes|no``,
 ``--fanouts 10,10,10``) would need custom parsers there too, the checks must
-name the flag in gnnray's own error format, and the pinned stack stays as it is.
+name the flag in gnnray's own error format, and the install stays small.
 """
 
 from __future__ import annotations
@@ -110,6 +110,10 @@ class DataConfig(_Options):
 class SamplerConfig(_Options):
     """How seed batches become sampled mini-batches."""
 
+    backend: str = option("native", "the neighbor sampler: native (gnnray's own, on any supported torch) or "
+                          "graphbolt (DGL's GraphBolt: needs the dgl extra, pip install -e '.[dgl]', which pins "
+                          "torch 2.2.1, numpy < 2 and Python <= 3.12)", flag="--sampler",
+                          choices=("native", "graphbolt"))
     fanouts: Fanouts = option(Fanouts(), "neighbors sampled per layer, input layer first; the number of layers "
                               "is the number of fanouts; -1 takes all neighbors (write --fanouts=-1,-1). On a typed "
                               "graph each relation gets that many per layer; relation=list parts after ';' give a "

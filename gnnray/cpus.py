@@ -13,14 +13,16 @@ machine has. So the job decides for itself, from the node's real cores:
   worker, so its OpenMP threads are not moved or crowded by its neighbours
   (DGL's and PyG's ``enable_cpu_affinity`` do the same for their loops). A
   GPU worker needs few threads: its compute is on the device.
-- **Sampler actors** sample on their ``num_cpus`` threads, one niceness level
-  set below the train workers (nice +4 on Ray's 15), so on a shared node the
-  kernel gives contended cores to the step that everything waits for.
+- **Sampler actors** sample on their ``num_cpus`` threads (the sampler's own,
+  :class:`gnnray.pipeline.pick.Threads`), one niceness level set below the
+  train workers (nice +4 on Ray's 15), so on a shared node the kernel gives
+  contended cores to the step that everything waits for.
 - **Every process** of the job waits passively in OpenMP (``OMP_WAIT_POLICY``),
   so a thread that finished its share of a parallel region sleeps instead
-  of spinning on a core another process needs. Both OpenMP runtimes (torch's
-  and DGL's own copy) read it when they load, so it travels in the job's
-  runtime environment (:func:`job_env`) rather than being set in code.
+  of spinning on a core another process needs. OpenMP runtimes (torch's, and
+  DGL's own copy with ``--sampler graphbolt``) read it when they load, so it
+  travels in the job's runtime environment (:data:`JOB_ENV`) rather than being
+  set in code.
 
 In a container the node is what the container may use: the CPU ids of its
 cpuset and the CPU time of its CFS quota (a Kubernetes CPU limit, ``docker
@@ -252,7 +254,7 @@ class CpuPolicy:
                     os.sched_setaffinity(0, cores)
                 except OSError:  # the cpuset changed since it was read: unpinned, as readback() then records
                     pass
-            set_threads(plan.trainer_threads(), dgl=False)
+            set_threads(plan.trainer_threads())
         return readback()
 
     def apply_sampler(self, threads: int) -> dict:
@@ -263,31 +265,22 @@ class CpuPolicy:
         return readback()
 
 
-def set_threads(n: int, dgl: bool = True) -> None:
-    """Set torch's and, with ``dgl`` (sampler actors), DGL's thread pools (two OpenMP runtimes) to ``n`` threads.
+def set_threads(n: int) -> None:
+    """Set torch's thread pool (its OpenMP runtime) to ``n`` threads.
 
-    Train workers import no DGL: their models are plain torch.
+    The sampler's own threads are its own (:class:`gnnray.pipeline.pick.Threads`), sized by its actor's CPUs.
     """
     import torch
 
     torch.set_num_threads(n)
-    if dgl:
-        import dgl.utils
-
-        dgl.utils.set_num_threads(n)
 
 
 def readback() -> dict:
-    """What this process uses now: its threads per pool, cores, niceness and OpenMP wait policy."""
-    import sys
-
+    """What this process uses now: torch's threads, its cores, niceness and OpenMP wait policy."""
     import torch
 
-    dgl = sys.modules.get("dgl")  # read, never imported here: train workers do without DGL
-    return dict(torch_threads=torch.get_num_threads(),
-                dgl_threads=dgl.utils.get_num_threads() if dgl is not None else None,
-                cores=sorted(os.sched_getaffinity(0)), nice=os.getpriority(os.PRIO_PROCESS, 0),
-                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
+    return dict(torch_threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)),
+                nice=os.getpriority(os.PRIO_PROCESS, 0), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
 
 
 def samplers_per_node(actors_max: int, nodes: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -13,11 +14,25 @@ from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
 from shared_runs import script_run  # noqa: F401  (a session fixture: one script run read by several modules)
 
-os.environ.setdefault("DGLBACKEND", "pytorch")
+os.environ.setdefault("DGLBACKEND", "pytorch")  # read by DGL where the dgl extra is installed
 os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's dependency asks PyPI for updates (no internet here)
 
 # ../shared beside the repository (present here and in CI; absent on a user's machine).
 SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+
+
+HAS_DGL = importlib.util.find_spec("dgl") is not None
+NO_DGL = ("DGL is not installed: its last wheel needs torch 2.2.1 and cannot be imported beside this torch; .ci/run "
+          "runs these tests in its second environment (pip install -e '.[test,dgl]')")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``dgl`` skip, saying why, where DGL cannot exist: beside the default install's torch."""
+    if HAS_DGL:
+        return
+    for item in items:
+        if "dgl" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=NO_DGL))
 
 
 def _free_port() -> int:
@@ -93,9 +108,11 @@ def mapping_perms(address: int) -> str:
 
 
 @contextlib.contextmanager
-def _simulated_nodes(cluster, count: int):
-    """``count`` simulated nodes with one CPU and a SHARD_NODE_STORE object store each, removed afterwards."""
-    added = [cluster.add_node(num_cpus=1, object_store_memory=SHARD_NODE_STORE) for _ in range(count)]
+def _simulated_nodes(cluster, count: int, env_vars: dict | None = None):
+    """``count`` simulated nodes with one CPU and a SHARD_NODE_STORE object store each, removed afterwards;
+    ``env_vars`` is their processes' environment (their raylet's, which Ray's workers inherit)."""
+    added = [cluster.add_node(num_cpus=1, object_store_memory=SHARD_NODE_STORE, env_vars=env_vars)
+             for _ in range(count)]
     cluster.wait_for_nodes()
     try:
         yield added
@@ -104,6 +121,17 @@ def _simulated_nodes(cluster, count: int):
             if n in cluster.worker_nodes:
                 cluster.remove_node(n)
         cluster.wait_for_nodes()
+
+
+def other_versions(root: Path, versions: dict) -> dict:
+    """The environment of a node whose packages report other ``versions`` (name -> version): a directory of
+    package metadata first on its ``PYTHONPATH``, which ``importlib.metadata`` reads before site-packages (the
+    packages themselves still import from there)."""
+    for name, version in versions.items():
+        info = root / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture(scope="module")

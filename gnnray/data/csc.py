@@ -159,8 +159,8 @@ def structure_dtypes(num_nodes: int, num_edges: int) -> tuple[np.dtype, np.dtype
     ``indptr`` holds offsets up to ``num_edges``, ``indices`` node ids below
     ``num_nodes``. Past 2**31 edges (papers100M, MAG240M with reverse edges)
     only ``indptr`` widens: ``indices``, the big array, stays int32, E x 4
-    bytes less on every node. GraphBolt samples that mixed pair as it is
-    (:func:`~gnnray.data.store.to_graphbolt`); DGL's ``dgl.graph`` would not.
+    bytes less on every node. The sampler reads that mixed pair as it is
+    (:mod:`gnnray.pipeline.pick`); DGL's ``dgl.graph`` would not.
     """
     def fits(count: int) -> np.dtype:
         return np.dtype(np.int32 if count < 2**31 else np.int64)

@@ -17,7 +17,7 @@ class Graph:
     """A node-classification graph as plain numpy arrays.
 
     The structure is the in-edge CSC: the in-neighbors of node ``v`` are
-    ``indices[indptr[v]:indptr[v + 1]]``, the layout GraphBolt samples in-edges
+    ``indices[indptr[v]:indptr[v + 1]]``, the layout in-edges are sampled
     from without building another format.
 
     Attributes:
@@ -25,9 +25,8 @@ class Graph:
             that (:func:`~gnnray.data.csc.structure_dtypes`).
         indices: ``(num_edges,)``, source node of each in-edge: int32 below
             2**31 nodes, int64 past that, whatever ``indptr``'s dtype.
-            GraphBolt samples any such pair without a copy
-            (:func:`~gnnray.data.store.to_graphbolt`); sampled ids come in
-            this dtype.
+            The sampler reads any such pair without a copy
+            (:mod:`gnnray.pipeline.pick`); sampled ids come in this dtype.
         feat: float32, ``(num_nodes, feat_dim)``.
         label: int64, ``(num_nodes,)``; ``-1`` marks unlabelled nodes.
         train_idx: int64 node ids of the training split.

@@ -131,61 +131,6 @@ def write_protected(a: np.ndarray) -> np.ndarray:
         return a
 
 
-def to_graphbolt(graph: Graph):
-    """Return GraphBolt's ``FusedCSCSamplingGraph`` over ``graph``'s CSC arrays, without copying them.
-
-    This is what :class:`~gnnray.pipeline.sampler.Sampler` samples from. It
-    takes each array in its own dtype: int32 ``indices`` beside an int64
-    ``indptr`` past 2**31 edges (:func:`~gnnray.data.csc.structure_dtypes`),
-    which DGL's ``dgl.graph`` (:func:`to_dgl`) refuses. Seeds passed to it must
-    have ``indices``' dtype; the ids it samples come in it. Sampling only reads
-    the arrays, so write-protected store views (:meth:`GraphHandle.get`) serve.
-
-    A typed graph's ``etype`` is GraphBolt's ``type_per_edge`` (int8 as it is),
-    so that it samples each relation of a node apart when given one fanout per
-    relation, and returns the picked edges' relations. GraphBolt finds a node's
-    relations as runs of equal codes: the typed CSC keeps each node's in-edges
-    ordered by relation (:func:`~gnnray.data.csc.sort_by_relation`). Node types
-    are not needed to sample homogeneous ids.
-    """
-    import dgl.graphbolt as gb
-
-    indptr, indices = readonly_tensor(graph.indptr), readonly_tensor(graph.indices)
-    if graph.etype is None:
-        return gb.fused_csc_sampling_graph(indptr, indices)
-    # GraphBolt wants the relations' names ("src:relation:dst", DGL's form): its count of fanouts per layer.
-    relations = {":".join(t): j for j, t in enumerate(graph.edge_types)}
-    return gb.fused_csc_sampling_graph(indptr, indices, type_per_edge=readonly_tensor(graph.etype),
-                                       edge_type_to_id=relations)
-
-
-def to_dgl(graph: Graph):
-    """Return a DGL graph over ``graph``'s CSC arrays without copying them (both arrays of one dtype).
-
-    gnnray samples with GraphBolt (:func:`to_graphbolt`); this DGL graph is
-    for DGL's own loaders (the benchmark's baseline) and checks.
-
-    The graph is restricted to the CSC format, so any DGL call that would
-    materialise COO or CSR for the whole graph (a private copy per process)
-    raises instead of silently copying. Its ``idtype`` is the arrays' dtype
-    (both int32, or both int64: DGL rejects a mixed pair), so seeds passed to
-    it must have that dtype, and the ids and edge ids it samples come in it.
-    On an int32 graph, DGL 2.1's ``NeighborSampler`` goes wrong after its
-    first batch on its fused path (the default with more than one DGL
-    thread): pass it ``fused=False``.
-    """
-    import dgl
-    import torch
-
-    if graph.indptr.dtype != graph.indices.dtype:
-        raise ValueError(f"indptr ({graph.indptr.dtype}) and indices ({graph.indices.dtype}) must have the same "
-                         f"dtype for DGL's graph; sample such a graph with GraphBolt (to_graphbolt)")
-    indptr, indices = readonly_tensor(graph.indptr), readonly_tensor(graph.indices)
-    # No edge ids (an empty tensor of the idtype): edge ids are CSC positions.
-    g = dgl.graph(("csc", (indptr, indices, torch.empty(0, dtype=indices.dtype))), num_nodes=graph.num_nodes)
-    return g.formats("csc")
-
-
 def readonly_tensor(a: np.ndarray):
     """``torch.from_numpy(a)`` for a read-only array, without torch's warning about it.
 

@@ -35,12 +35,11 @@ def graph_line(graph, feat_dim: Optional[int] = None, feat_bytes: int = 0) -> st
             f"{len(graph.test_idx):,}, {(graph.nbytes + feat_bytes) / 2**20:.1f} MiB")
 
 
-def cluster_line(local: bool, gcs_address: str, dashboard_url: str, nodes: int, checked: int) -> str:
-    """The line naming the run's cluster, its dashboard and the versions checked on its nodes."""
-    from gnnray.driver.preflight import PINNED
-
+def cluster_line(local: bool, gcs_address: str, dashboard_url: str, nodes: int, checked: int,
+                 stack: dict) -> str:
+    """The line naming the run's cluster, its dashboard and the stack checked on its nodes."""
     where = "local cluster" if local else "cluster"
-    versions = ", ".join(f"{k} {v}" for k, v in PINNED.items())
+    versions = ", ".join(f"{k} {v}" for k, v in stack.items())
     return (f"ray: {where} {gcs_address}, {nodes} node{'s' if nodes != 1 else ''} ({versions} on "
             f"{'every node' if checked == nodes else f'{checked} of them'}), dashboard "
             + (f"http://{dashboard_url}" if dashboard_url else "off"))

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from gnnray import stack
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
@@ -101,7 +102,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             console.say(f"resuming run {cfg.run.name!r} from epoch {first_epoch}"
                         + (f" step {first_step}" if first_step else "") + f" ({latest.path})")
         setup = WorkerSetup(cfg, pub.handle, first_epoch, latest.path if latest else None, restarts, run_dir,
-                            model_factory, owners, cpu, first_step)
+                            model_factory, owners, cpu, first_step, stack.versions(cfg.sampler.backend))
         if cfg.train.elastic:  # Ray Train resizes and restarts it, all within one fit
             with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers):
                 _fit_elastic(cfg, setup, graph, use_gpu, pub.local)
@@ -212,7 +213,8 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         console.say(f"note: {placed} of {workers} train workers placed beside a feature shard (the "
                     f"shard nodes' CPUs and GPUs, less room for sampler actors, hold no more); Ray Train places the "
                     f"others")
-    stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu, first_step=setup.first_step)
+    stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu, first_step=setup.first_step,
+                              stack=setup.stack)
     split = StartedSplit(stream, workers, execution_options())
     trainer = TorchTrainer(
         train_loop,
@@ -285,7 +287,7 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
         ),
         datasets={"train": split_by_driver},
-        dataset_config=ElasticSplit(cfg, setup.graph, graph.train_idx, setup.run_dir, setup.cpu),
+        dataset_config=ElasticSplit(cfg, setup.graph, graph.train_idx, setup.run_dir, setup.cpu, setup.stack),
     )
     trainer.fit()
 

@@ -40,14 +40,14 @@ def init_ray(cfg: JobConfig) -> bool:
     ``--verbose`` (:func:`gnnray.driver.console.quiet_ray`).
 
     Raises:
-        ClusterError: Nothing answers at ``RAY_ADDRESS``, or a node runs other Ray or DGL versions than the pinned
-            ones (:func:`gnnray.driver.preflight.check_versions`).
+        ClusterError: Nothing answers at ``RAY_ADDRESS``, the driver lacks a pinned version, or a node's stack
+            differs from the driver's (:func:`gnnray.driver.preflight.check_versions`).
     """
     import ray
 
     from gnnray.logs import drop_records
 
-    os.environ.setdefault("DGLBACKEND", "pytorch")
+    expected = preflight.check_driver(cfg.sampler.backend)  # before Ray starts: a missing pin fails at once
     # The dashboard's Train view lists only runs whose driver tracks Train state.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     # Ray Train's controller takes one report per worker per poll (2 s by default), and a worker's report waits
@@ -77,10 +77,10 @@ def init_ray(cfg: JobConfig) -> bool:
     console.quiet_ray(cfg.run.verbose)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.run.verbose and sys.stdout.isatty()
     cluster = preflight.nodes()
-    checked = preflight.check_versions(cluster)
+    checked = preflight.check_versions(cluster, expected)
     if started is not None:
         console.say(console.cluster_line(local, started.address_info["gcs_address"], started.dashboard_url,
-                                         len(cluster), checked))
+                                         len(cluster), checked, expected))
     return local
 
 
@@ -195,12 +195,17 @@ class Published:
 
 
 def _check_fanouts(cfg: JobConfig, graph) -> None:
-    """A relation the graph lacks is refused here, not in every actor and worker."""
+    """A relation the graph lacks is refused here, not in every actor and worker. The sampler's kernels are
+    compiled here too (or loaded from numba's cache), while Ray starts: the sampler actors on this node find them."""
     from gnnray.data.typed import fanout_table
 
     fanout_table(cfg.sampler.fanouts, graph)
     if cfg.sampler.eval_fanouts is not None:
         fanout_table(cfg.sampler.eval_fanouts, graph, "--eval-fanouts")
+    if cfg.sampler.backend == "native":
+        from gnnray.pipeline.pick import warm_up
+
+        warm_up(graph.indptr.dtype, graph.indices.dtype, None if graph.etype is None else graph.etype.dtype)
 
 
 class _Thread(threading.Thread):

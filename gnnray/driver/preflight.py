@@ -1,5 +1,5 @@
-"""Driver checks made before anything waits: a writable storage path, a cluster that answers, runs the pinned
-Ray and DGL on every node, and can ever run the job.
+"""Driver checks made before anything waits: a writable storage path, a cluster that answers, runs the driver's
+stack on every node (:mod:`gnnray.stack`), and can ever run the job.
 
 Ray waits for resources it lacks, expecting an autoscaler to add nodes; on a
 cluster of fixed size that wait never ends. So the driver compares what the
@@ -27,13 +27,8 @@ from gnnray.errors import ClusterError, ConfigError, size_text
 # mini-batches in flight and Ray's own objects.
 GRAPH_STORE_FRACTION = 0.9
 
-# The versions pyproject.toml pins (tests/driver/test_versions.py keeps the two equal). The code relies on private
-# Ray Data and Ray Train internals that another Ray may change silently, and the sampler actors on DGL's sampling.
-# Torch is not compared: a GPU node may carry another CUDA build of it (the train worker's code runs on torch alone,
-# 2.2 to 2.11), and DGL itself refuses, when it is imported, a torch it was not built for.
-PINNED = {"ray": "2.60.0", "dgl": "2.1.0"}
 # How long a node may take to start a process for the version check (a new worker, its runtime env).
-VERSION_CHECK_TIMEOUT_S = 30.0
+VERSION_CHECK_TIMEOUT_S = 60.0
 # How long a TCP connection to RAY_ADDRESS may take: Ray itself retries for minutes where nothing listens.
 CONNECT_TIMEOUT_S = 5.0
 
@@ -84,50 +79,60 @@ def check_address(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
                        f"prints on a running cluster's head, or unset RAY_ADDRESS to run on a new local cluster")
 
 
-def check_versions(cluster: list[Node], pinned: Optional[dict] = None,
-                   timeout_s: float = VERSION_CHECK_TIMEOUT_S) -> int:
-    """Raise :class:`ClusterError` if a node of ``cluster`` runs other versions than ``pinned`` (default
-    :data:`PINNED`); return how many nodes answered.
+def check_versions(cluster: list[Node], expected: dict, timeout_s: float = VERSION_CHECK_TIMEOUT_S) -> int:
+    """Raise :class:`ClusterError` naming each node of ``cluster`` whose stack differs from ``expected`` (the
+    driver's, :func:`gnnray.stack.versions`) or that did not answer; return how many nodes answered.
 
-    A task without CPUs on each node reads the installed packages' metadata (DGL is not imported). A node
-    that does not answer within ``timeout_s`` (it could not start a process) is left to fail the job later.
+    A task without CPUs on each node reads the installed packages' metadata
+    (nothing is imported). A node that cannot start that task within
+    ``timeout_s`` is named, not passed; one that died meanwhile is gone from
+    the cluster and left out.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    pinned = PINNED if pinned is None else pinned
-    probe = ray.remote(num_cpus=0, max_retries=0)(installed_versions)
+    from gnnray import stack
+
+    backend = "graphbolt" if "dgl" in expected else "native"
+    probe = ray.remote(num_cpus=0, max_retries=0)(stack.versions)
     refs = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
-            .remote(tuple(pinned)): n for n in cluster}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    wrong = []
+            .remote(backend): n for n in cluster}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    wrong, silent = [], [refs[r] for r in pending]
     for ref in ready:
         try:
-            found = ray.get(ref)
-        except ray.exceptions.RayError:  # the node died meanwhile: Ray reports that where it matters
+            diff = stack.differences(ray.get(ref), expected)
+        except ray.exceptions.RayError:
+            silent.append(refs[ref])
             continue
-        diff = [f"{name} {found[name] or 'missing'}" for name in pinned if found[name] != pinned[name]]
         if diff:
-            n = refs[ref]
-            wrong.append(f"node {n.address} ({n.node_id[:8]}) has {', '.join(diff)}")
+            wrong.append(f"node {refs[ref].address} ({refs[ref].node_id[:8]}) has {', '.join(diff)}")
+    alive = {n.node_id for n in nodes()}
+    wrong += [f"node {n.address} ({n.node_id[:8]}) did not answer the version check within {timeout_s:g} s"
+              for n in silent if n.node_id in alive]
     if wrong:
-        want = " ".join(f"{k}=={v}" for k, v in pinned.items())
-        raise ClusterError(f"gnnray needs {want} on every node and {'; '.join(sorted(wrong))}: install those "
-                           f"versions on every node (pip install -e . pins them), or use an image that has them")
+        names = ", ".join(expected)
+        raise ClusterError(f"every node needs the driver's {names}, and {'; '.join(sorted(wrong))}: install the "
+                           f"driver's versions on every node (pip install -e . into the same environment, or one "
+                           f"image for all), and check that each node can start Ray workers")
     return len(ready)
 
 
-def installed_versions(names: tuple) -> dict:
-    """The installed versions of the packages ``names`` (``None``: not installed), read without importing them."""
-    import importlib.metadata
+def check_driver(backend: str) -> dict:
+    """This driver's stack (:func:`gnnray.stack.versions`), or :class:`ClusterError` if it lacks a pin the job
+    needs (Ray's; DGL's for ``--sampler graphbolt``)."""
+    from gnnray import stack
 
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    mine = stack.versions(backend)
+    need = stack.required(backend)
+    diff = stack.differences(mine, need)
+    if diff:
+        want = " ".join(f"{k}=={v}" for k, v in need.items())
+        hint = (f"install the dgl extra ({stack.DGL_INSTALL}) or use --sampler native" if "dgl" in need and
+                mine.get("dgl") != need["dgl"] else "pip install -e . installs it")
+        raise ClusterError(f"gnnray needs {want}, and this driver has {', '.join(d.split(' (')[0] for d in diff)}: "
+                           f"{hint}")
+    return mine
 
 
 def autoscaling() -> bool:

@@ -82,9 +82,10 @@ class ElasticSplit(DataConfig):
         cpu: The job's CPU plan, which each sampler actor applies.
     """
 
-    def __init__(self, cfg, graph, train_idx, run_dir: str, cpu=None):
+    def __init__(self, cfg, graph, train_idx, run_dir: str, cpu=None, stack=None):
         super().__init__(datasets_to_split=["train"])
         self._cfg, self._graph, self._train_idx, self._run_dir, self._cpu = cfg, graph, train_idx, run_dir, cpu
+        self._stack = stack
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         from gnnray.driver.console import quiet_ray
@@ -107,7 +108,7 @@ class ElasticSplit(DataConfig):
             return [{"train": None} for _ in range(world_size)]
         plan = SeedPlan.elastic(self._train_idx, cfg.sampler.batch_size, cfg.train.workers_max, world_size,
                                 cfg.run.seed)
-        stream = minibatch_stream(cfg, self._graph, plan, epoch, cpu=self._cpu, first_step=step)
+        stream = minibatch_stream(cfg, self._graph, plan, epoch, cpu=self._cpu, first_step=step, stack=self._stack)
         return StartedSplit(stream, world_size, execution_options()).configure(datasets, world_size, None, None)
 
     def __deepcopy__(self, memo):  # Ray Train copies its config: nothing here changes

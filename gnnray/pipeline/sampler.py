@@ -7,16 +7,20 @@ a packed ``MiniBatch`` in an Arrow table (:func:`gnnray.pipeline.batch.to_arrow`
 
 Train workers sample for evaluation through their node's
 :class:`EvaluationSampler` actor, so sampling is the same code wherever it
-runs and no train worker imports DGL.
+runs, off the worker's cores.
 
-torch, pandas and the batch module are imported where used: Ray Data's split
-coordinator unpickles :class:`SamplerActor` (so imports this module) and
-never samples; at start-up that import would cost it seconds of CPU.
+The sampler is gnnray's own (:class:`Sampler`, kernels in :mod:`.pick`);
+``--sampler graphbolt`` swaps in DGL's GraphBolt (:mod:`.graphbolt`, the
+``dgl`` extra, torch 2.2.1 only). torch and the batch module are imported
+where used: Ray Data's split coordinator unpickles :class:`SamplerActor` (so
+imports this module) and never samples; at start-up that import would cost it
+seconds of CPU.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
@@ -26,74 +30,103 @@ import ray
 from gnnray.config import Fanouts
 from gnnray.cpus import CpuPolicy
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle, to_graphbolt
+from gnnray.data.store import GraphHandle
 from gnnray.data.typed import fanout_table
 from gnnray.pipeline.seeds import SeedPlan, SeedReader
 
 if TYPE_CHECKING:
     from gnnray.pipeline.batch import MiniBatch
 
+BACKENDS = ("native", "graphbolt")
+
 
 class Sampler:
-    """Neighbor sampling with GraphBolt over a node-shared graph.
+    """Uniform neighbor sampling without replacement over a node-shared graph, GraphBolt's semantics.
 
-    GraphBolt's ``FusedCSCSamplingGraph`` (:func:`~gnnray.data.store.to_graphbolt`)
-    reads the store's arrays in place, each in its own dtype: int32
-    ``indices`` even where the edge count needs an int64 ``indptr``, which
-    DGL's ``dgl.graph`` refuses. GraphBolt also samples with torch's threads
-    (the CPU plan sets them) and keeps no node-sized scratch per process.
+    Each layer picks, for every destination, ``min(fanout, in-degree)`` of
+    its in-edges (all with ``-1``), each relation of a typed graph apart with
+    its own fanout (:func:`fanout_table`), from the CSC arrays in place and in
+    their own dtypes (int32 ``indices`` beside an int64 ``indptr`` past 2**31
+    edges). The picked sources are then numbered locally: the destinations
+    first, in order, then new ids as they first appear (DGL's block convention).
 
-    On a typed graph each relation of a node is sampled apart, with its own
-    fanout (:func:`fanout_table`): GraphBolt does it given one fanout per
-    relation, over in-edges grouped by relation (the typed CSC's layout).
+    A batch's draw depends only on ``seed``, its epoch and its batch number
+    (:func:`~gnnray.pipeline.pick.batch_key`), not on ``threads``. Numbering
+    uses a node-sized table of this process (4 bytes a node below 2**31 nodes,
+    its pages touched as nodes are first met): a pass over each layer's picks,
+    where a hash map was slower (docs/performance.md).
 
     Args:
         graph: The graph, usually read-only views on the object store.
         fanouts: Neighbors per layer, input layer first; ``-1`` takes all. A
             :class:`~gnnray.config.Fanouts` or a list of ints (per relation on a typed graph).
+        seed: The run's seed.
+        threads: Threads that pick (each a range of a layer's destinations); numbering runs on one.
     """
 
-    def __init__(self, graph: Graph, fanouts: Union[Fanouts, Sequence[int]]):
-        import torch
-
+    def __init__(self, graph: Graph, fanouts: Union[Fanouts, Sequence[int]], seed: int = 0, threads: int = 1):
+        from gnnray.pipeline import pick
         from gnnray.pipeline.batch import id_dtype
 
-        self._graph = graph
-        self._g = to_graphbolt(graph)
-        self._fanouts = [torch.tensor(f) for f in reversed(fanout_table(fanouts, graph))]  # output layer first
+        self._graph, self._seed = graph, int(seed)
+        self._fanouts = [np.asarray(f, np.int64) for f in reversed(fanout_table(fanouts, graph))]  # output first
+        # A typed graph without relations has no edges to draw apart.
+        self._etype = graph.etype if graph.typed and graph.edge_types else None
         self.id_dtype = id_dtype(graph.num_nodes)  # what to pack this graph's batches as
-        # GraphBolt takes seeds only in the dtype of indices (int32 below 2**31 nodes); sampled ids come in it.
-        self._seed_dtype = graph.indices.dtype
+        self._dtype = graph.indices.dtype  # sampled ids come in it
+        self._threads = pick.Threads(threads)
+        self._table: Optional[np.ndarray] = None
 
-    def sample(self, seeds: np.ndarray, epoch: int = -1) -> MiniBatch:
-        """Sample the blocks of ``seeds`` (global node ids, any integer dtype).
+    @property
+    def threads(self) -> int:
+        return self._threads.threads
 
-        The batch's ids and blocks come in the graph's ``indices`` dtype
-        (int32 below 2**31 nodes), its labels as int64. A block's sources
-        start with its destinations, in order (DGL's block convention).
+    def sample(self, seeds: np.ndarray, epoch: int = -1, batch: Optional[int] = None) -> MiniBatch:
+        """Sample the blocks of ``seeds`` (unique global node ids, any integer dtype).
+
+        ``batch`` numbers the batch within its epoch (a stream row); without
+        it (evaluation) the seeds themselves name it. The batch's ids and
+        blocks come in the graph's ``indices`` dtype (int32 below 2**31
+        nodes), its labels as int64.
         """
-        import pandas as pd
         import torch
 
+        from gnnray.pipeline import pick
         from gnnray.pipeline.batch import Layer, MiniBatch
 
-        output_nodes = nodes = torch.from_numpy(np.ascontiguousarray(seeds, dtype=self._seed_dtype))
+        g = self._graph
+        nodes = seeds_in = np.ascontiguousarray(seeds, dtype=self._dtype)
+        if batch is None:
+            batch = zlib.crc32(nodes)
+        if self._table is None:  # zeroed pages: memory is taken as nodes are first met
+            self._table = np.zeros(g.num_nodes, np.int32 if g.num_nodes < 2**31 else np.int64)
         layers = []
-        for fanout in self._fanouts:
-            # The private call returns GraphBolt's C++ subgraph: the picked edges' relations come with it, where
-            # the public sample_neighbors splits them into a dict of subgraphs per relation.
-            sub = self._g._sample_neighbors(nodes, fanout, replace=False)
-            # The block's sources: its destinations first, in order (they are unique), then the new ids as they
-            # appear. pandas' hash-table factorize does that on one thread (a sampler actor's) in a fraction of
-            # the time of GraphBolt's unique_and_compact (bench/structure.py).
-            codes, src = pd.factorize(np.concatenate([nodes.numpy(), sub.indices.numpy()]))
-            local = torch.from_numpy(codes[nodes.shape[0]:].astype(src.dtype))
-            # Offsets come in indptr's dtype (int64 past 2**31 edges); within a batch they fit the ids' dtype.
-            layers.append(Layer(sub.indptr.to(nodes.dtype), local, int(src.shape[0]), sub.type_per_edge))
-            nodes = torch.from_numpy(src)
+        for i, fanout in enumerate(self._fanouts):
+            key = pick.batch_key(self._seed, epoch, batch, i)
+            offsets, picked, etype = pick.sample_layer(g.indptr, g.indices, nodes, fanout, self._etype, key,
+                                                       self._threads)
+            local = np.empty(picked.shape[0], self._dtype)
+            src = np.empty(nodes.shape[0] + picked.shape[0], self._dtype)
+            src = src[:pick.relabel(nodes, picked, self._table, local, src)]
+            if g.typed and etype is None:
+                etype = np.empty(0, g.etype.dtype)
+            # Offsets within a batch fit the ids' dtype.
+            layers.append(Layer(torch.from_numpy(offsets.astype(self._dtype)), torch.from_numpy(local),
+                                int(src.shape[0]), None if etype is None else torch.from_numpy(etype)))
+            nodes = src
         layers.reverse()
-        labels = torch.from_numpy(self._graph.label[output_nodes.numpy()])
-        return MiniBatch(output_nodes, labels, nodes, layers, epoch=epoch)
+        labels = torch.from_numpy(g.label[seeds_in])
+        return MiniBatch(torch.from_numpy(seeds_in), labels, torch.from_numpy(nodes), layers, epoch=epoch)
+
+
+def make_sampler(graph: Graph, fanouts: Union[Fanouts, Sequence[int]], backend: str = "native", seed: int = 0,
+                 threads: int = 1):
+    """The ``--sampler`` backend's sampler: :class:`Sampler`, or GraphBolt's (``dgl`` extra)."""
+    if backend == "graphbolt":
+        from gnnray.pipeline.graphbolt import GraphBoltSampler
+
+        return GraphBoltSampler(graph, fanouts, threads)
+    return Sampler(graph, fanouts, seed, threads)
 
 
 class SamplerActor:
@@ -102,18 +135,26 @@ class SamplerActor:
     Args:
         graph: Handle of the node-shared graph; the actor keeps only views.
         fanouts: Neighbors per layer, input layer first.
-        plan: Which seeds each row number stands for.
+        plan: Which seeds each row number stands for (its seed also seeds the draws).
         run: Run name that tags the actor's metrics (:class:`gnnray.metrics.SamplerMetrics`).
         cpu: The job's CPU plan (:mod:`gnnray.cpus`); ``None`` leaves Ray's defaults.
+        backend: ``--sampler``.
+        stack: The driver's software stack: the actor refuses to start on a node with another
+            (:func:`gnnray.stack.check_here`).
     """
 
     def __init__(self, graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], plan: SeedPlan,
-                 run: str = "gnnray", cpu: Optional[CpuPolicy] = None):
+                 run: str = "gnnray", cpu: Optional[CpuPolicy] = None, backend: str = "native",
+                 stack: Optional[dict] = None):
         from gnnray.metrics import SamplerMetrics
+        from gnnray.stack import check_here
 
-        if cpu is not None:  # before the first sampling call: DGL's thread pool starts there
-            self.cpu = cpu.apply_sampler(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
-        self._sampler = Sampler(graph.get(), fanouts)
+        check_here(stack, "a sampler actor")
+
+        threads = _assigned_cpus()
+        if cpu is not None:  # before the first sampling call: thread pools start there
+            self.cpu = cpu.apply_sampler(threads)
+        self._sampler = make_sampler(graph.get(), fanouts, backend, plan.seed, threads)
         self._seeds = SeedReader(plan)
         self._metrics = SamplerMetrics(run)
 
@@ -126,7 +167,7 @@ class SamplerActor:
         for row in rows["row"].tolist():
             start = time.perf_counter()
             epoch, seeds = self._seeds.seeds(row)
-            mb = self._sampler.sample(seeds, epoch=epoch)
+            mb = self._sampler.sample(seeds, epoch=epoch, batch=row)
             batches.append(mb)
             self._metrics.batch(sum(int(layer.indices.shape[0]) for layer in mb.layers), time.perf_counter() - start)
         from gnnray.pipeline.batch import to_arrow
@@ -134,35 +175,46 @@ class SamplerActor:
         return to_arrow(batches, self._sampler.id_dtype)
 
 
+def _assigned_cpus() -> int:
+    """The CPUs Ray gave this actor (its sampler's threads); 1 outside an actor (tests, tools)."""
+    try:
+        return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1)))
+    except AssertionError:  # not a worker process
+        return 1
+
+
 class EvaluationSampler:
     """A node's evaluation sampler: a Ray actor shared by the train workers of its node, seeds in, packed batches out.
 
-    The train worker imports no DGL: GraphBolt samples here, over the same
-    node-shared graph (zero-copy). Packed batches are numpy arrays, so they
-    cross the object store without a copy. Start it with
-    :func:`start_evaluation_sampler` when the worker starts, so that its
-    imports (torch, DGL) overlap training.
+    It samples off the train workers' cores, over the same node-shared graph
+    (zero-copy). Packed batches are numpy arrays, so they cross the object
+    store without a copy. Start it with :func:`start_evaluation_sampler` when
+    the worker starts, so that its imports overlap training.
     """
 
-    def __init__(self, graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1):
+    def __init__(self, graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1,
+                 backend: str = "native", seed: int = 0, stack: Optional[dict] = None):
         from gnnray.cpus import set_threads
+        from gnnray.stack import check_here
 
-        set_threads(max(1, threads))  # before the first sampling call: DGL's thread pool starts there
-        self._sampler = Sampler(graph.get(), fanouts)
+        check_here(stack, "the evaluation sampler")
+        set_threads(max(1, threads))
+        self._sampler = make_sampler(graph.get(), fanouts, backend, seed, max(1, threads))
 
     def sample(self, seeds: np.ndarray) -> np.ndarray:
         """The packed mini-batch (:meth:`MiniBatch.pack`) of ``seeds``."""
         return self._sampler.sample(seeds).pack(self._sampler.id_dtype)
 
 
-def start_evaluation_sampler(graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1):
+def start_evaluation_sampler(graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1,
+                             backend: str = "native", seed: int = 0, stack: Optional[dict] = None):
     """This node's :class:`EvaluationSampler` for ``graph`` and ``fanouts``: its handle, without waiting.
 
     In a placement group (a Ray Train worker group's, new at each restart),
     the first worker of a node to ask starts it and owns it (it ends with
     that worker's group); the group's other workers on the node get the same
     actor by its name, which holds the group, so a node pays for one more
-    process importing torch and DGL, not one per worker, and a restarted
+    process importing torch, not one per worker, and a restarted
     group never gets the actor of one going away. Elsewhere (a driver, a
     tool) each call starts its own actor, which ends with its last handle.
     It reserves no CPU, so it fits beside the job's workers and sampler
@@ -176,5 +228,5 @@ def start_evaluation_sampler(graph: GraphHandle, fanouts: Union[Fanouts, Sequenc
     options = dict(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))
     if group:
         options.update(get_if_exists=True, name=f"gnnray-evaluation-sampler:{group}:{node}:{graph._ref[0].hex()}:"
-                                                f"{Fanouts.of_value(fanouts)}:{threads}")
-    return ray.remote(EvaluationSampler).options(**options).remote(graph, fanouts, threads)
+                                                f"{Fanouts.of_value(fanouts)}:{threads}:{backend}:{seed}")
+    return ray.remote(EvaluationSampler).options(**options).remote(graph, fanouts, threads, backend, seed, stack)

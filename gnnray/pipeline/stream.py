@@ -22,13 +22,14 @@ from gnnray.pipeline.seeds import SeedPlan
 
 
 def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_epoch: int, actor_cls=None,
-                     cpu: Optional[CpuPolicy] = None, first_step: int = 0):
+                     cpu: Optional[CpuPolicy] = None, first_step: int = 0, stack: Optional[dict] = None):
     """The dataset of packed mini-batches from step ``first_step`` of ``first_epoch`` to the end of
     ``cfg.train.epochs - 1``, for ``plan.ranks`` train workers.
 
     ``actor_cls`` replaces :class:`~gnnray.pipeline.sampler.SamplerActor`
     (a subclass that records what it samples, in tests and the benchmark);
-    ``cpu`` is the job's CPU plan, which each actor applies to itself. The
+    ``cpu`` is the job's CPU plan, which each actor applies to itself;
+    ``stack`` the driver's software stack, which each actor checks. The
     pool's size follows the workers (:func:`sampler_actors`).
 
     Raises:
@@ -45,7 +46,8 @@ def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_e
     limit = read_ahead_rows(cfg, block_rows(plan, first_epoch, cfg.train.epochs), plan.ranks, actors[1])
     ds = seed_dataset(plan, first_epoch, cfg.train.epochs, first_step).map_batches(
         actor_cls,
-        fn_constructor_kwargs=dict(graph=graph, fanouts=cfg.sampler.fanouts, plan=plan, run=cfg.run.name, cpu=cpu),
+        fn_constructor_kwargs=dict(graph=graph, fanouts=cfg.sampler.fanouts, plan=plan, run=cfg.run.name, cpu=cpu,
+                                   backend=cfg.sampler.backend, stack=stack),
         batch_size=None,  # a whole seed block per call (see SamplerActor)
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(min_size=actors[0], max_size=actors[1]),

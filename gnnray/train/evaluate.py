@@ -1,6 +1,6 @@
 """With stage 7 (train worker): sampled evaluation of a split, each rank taking every ``world``-th node.
 
-The worker samples nothing itself (it imports no DGL): its node's
+The worker samples nothing itself: its node's
 :class:`~gnnray.pipeline.sampler.EvaluationSampler` actor, one shared by the
 node's workers, samples each chunk of seeds, at most :attr:`Evaluator.requests` chunks ahead;
 the worker gathers the features as in training (:class:`Prefetcher`).
@@ -37,20 +37,22 @@ class Evaluator:
         graph: The node-shared graph (splits, labels; features unless ``features`` is given).
         handle: The same graph's handle, for the node's sampler actor (started here if no worker of the node
             started it yet, without waiting). Without
-            it (no Ray: tests, tools) this process samples, importing DGL.
+            it (no Ray: tests, tools) this process samples.
+        stack: The driver's software stack, which the sampler actor checks on its node.
     """
 
     def __init__(self, graph: Graph, cfg: JobConfig, rank: int, world: int, device,
                  embedding: Optional[NodeEmbedding] = None, features: Optional[FeatureReader] = None,
-                 handle: Optional[GraphHandle] = None):
+                 handle: Optional[GraphHandle] = None, stack: Optional[dict] = None):
         self._graph, self._cfg, self._rank, self._world, self._device = graph, cfg, rank, world, device
         self._features = features if features is not None else LocalRows(graph.feat)
         self._embedding = embedding
         fanouts = cfg.sampler.evaluation_fanouts
         if handle is not None:
-            self._sampler = start_evaluation_sampler(handle, fanouts, int(cfg.sampler.cpus_per_actor))
+            self._sampler = start_evaluation_sampler(handle, fanouts, int(cfg.sampler.cpus_per_actor),
+                                                     cfg.sampler.backend, cfg.run.seed, stack)
         else:
-            self._sampler = _Here(graph, fanouts)
+            self._sampler = _Here(graph, fanouts, cfg)
         self._slot = HostSlot(pin=False)  # reused by one-batch splits, see _batches
         self.requests = cfg.train.prefetch + 1
         self.max_in_flight = self.requests + cfg.train.prefetch + 2
@@ -111,10 +113,10 @@ class Evaluator:
 class _Here:
     """Sampling in this process, called as the actor is (``sample.remote``); without Ray only."""
 
-    def __init__(self, graph: Graph, fanouts):
-        from gnnray.pipeline.sampler import Sampler
+    def __init__(self, graph: Graph, fanouts, cfg: JobConfig):
+        from gnnray.pipeline.sampler import make_sampler
 
-        self._sampler = Sampler(graph, fanouts)
+        self._sampler = make_sampler(graph, fanouts, cfg.sampler.backend, cfg.run.seed)
         self.sample = self  # so that ``sample.remote(seeds)`` reads as for the actor
 
     def remote(self, seeds: np.ndarray) -> np.ndarray:

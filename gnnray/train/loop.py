@@ -36,6 +36,7 @@ from gnnray.pipeline.batch import MiniBatch, from_arrow
 from gnnray.pipeline.features import reader_for
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.seeds import plan_key, steps_per_epoch
+from gnnray.stack import check_here
 from gnnray.train import checkpoint
 from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator
@@ -88,6 +89,7 @@ def train_loop(config: dict) -> None:
     quiet_console("", cfg.run.verbose)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    check_here(setup.stack, f"rank {rank}")  # a node that joined later is checked by its first process
     # 0. An elastic group's stream is made when rank 0 first asks for it, and says where it starts: asked first, so
     # that its sampler pool starts while the model is built.
     shard = ray.train.get_dataset_shard("train") if cfg.train.elastic else None
@@ -147,7 +149,7 @@ def train_loop(config: dict) -> None:
     blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
     rows = (row for block in blocks for row in from_arrow(block))
     evaluator = Evaluator(graph, cfg, rank, world, device, embedding, reader_for(graph, setup.graph.features),
-                          setup.graph)
+                          setup.graph, setup.stack)
     exported = TrainMetrics(cfg.run.name, rank)
     progress = Progress(setup.run_dir if rank == 0 else None)
     metrics_log = os.path.join(setup.run_dir, METRICS_LOG) if setup.run_dir and rank == 0 else None

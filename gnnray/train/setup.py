@@ -40,6 +40,8 @@ class WorkerSetup:
             the owners of the embedding table's shards (``train.embedding.create_owners``).
         cpu: The job's CPU plan (:mod:`gnnray.cpus`); ``None`` leaves Ray's defaults.
         first_step: The step of ``first_epoch`` the seed stream starts at (a fixed run).
+        stack: The driver's software stack (:func:`gnnray.stack.versions`): each worker and sampler actor
+            compares its own with it when it starts.
     """
 
     cfg: JobConfig
@@ -52,3 +54,4 @@ class WorkerSetup:
     embedding_owners: Optional[tuple] = None
     cpu: Optional[CpuPolicy] = None
     first_step: int = 0
+    stack: Optional[dict] = None

@@ -269,7 +269,7 @@ def test_a_cluster_that_refuses_the_driver_is_a_clear_error(monkeypatch):
     def refused(**kwargs):
         raise ConnectionError("Failed to connect to Ray cluster at 10.1.2.3:6379")
 
-    for name in ("DGLBACKEND", "RAY_TRAIN_ENABLE_STATE_TRACKING", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"):
+    for name in ("RAY_TRAIN_ENABLE_STATE_TRACKING", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"):
         monkeypatch.delenv(name, raising=False)  # init_ray sets them: restored after the test
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refused)

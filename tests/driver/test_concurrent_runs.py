@@ -18,7 +18,8 @@ from drills import REPO, SMALL
 
 # What a run prints (gnnray's own lines); anything else on its console is Ray's.
 OWN_LINE = re.compile(r"^(ray: |graph |cpu plan: |epoch=\d+ |layer-wise inference: |best_val_acc=)")
-CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(ray \S+, dgl \S+ on every node\), dashboard (\S+)$")
+CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray \S+, torch \S+, numpy \S+, numba \S+ on "
+                          r"every node\), dashboard (\S+)$")
 
 
 def test_two_local_runs_at_once_each_use_their_own_cluster(tmp_path):

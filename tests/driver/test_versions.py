@@ -1,4 +1,5 @@
-"""Versions checked at start: every node's Ray and DGL against the pinned ones, refused in one line."""
+"""The stack checked at start: every node runs the driver's Python, Ray, torch, numpy and sampler library, and the
+pinned Ray; a node that differs or does not answer is refused in one line, before anything starts."""
 
 from __future__ import annotations
 
@@ -9,56 +10,91 @@ import tomllib
 
 import pytest
 
-from conftest import _simulated_nodes
+from conftest import _simulated_nodes, other_versions
 from drills import REPO, SMALL, own_stderr
+from gnnray import stack
 from gnnray.driver import preflight
 from gnnray.driver.cli import main
 from gnnray.errors import ClusterError
 from gnnray.train.report import METRICS_LOG
 
 
+def _pins(deps: list[str]) -> dict:
+    return {m[1]: m[2] for m in (re.match(r"([A-Za-z0-9_-]+)(?:\[[^]]*\])?==([\w.]+)$", d) for d in deps) if m}
+
+
 def test_pins_are_pyprojects():
-    """The versions the driver checks are the ones the package installs."""
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = {m[1]: m[2] for m in (re.match(r"([A-Za-z0-9_-]+)(?:\[[^]]*\])?==([\w.]+)$", d) for d in deps) if m}
-    assert preflight.PINNED == {name: pins[name] for name in preflight.PINNED}
+    """The versions the driver requires are the ones the package installs: Ray, and DGL in the dgl extra."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert _pins(project["dependencies"])["ray"] == stack.RAY
+    assert _pins(project["optional-dependencies"]["dgl"])["dgl"] == stack.DGL
 
 
-def test_installed_versions_reads_metadata_without_importing():
-    code = ("import sys; from gnnray.driver.preflight import installed_versions; "
-            "print(installed_versions(('dgl', 'no-such-package-gnnray')), 'dgl' in sys.modules)")
+def test_versions_read_metadata_without_importing():
+    code = ("import sys, json; from gnnray.stack import versions; "
+            "print(json.dumps([versions(), versions('graphbolt'), sorted({'torch', 'numba', 'dgl'} & set(sys.modules))]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == f"{{'dgl': '{preflight.PINNED['dgl']}', 'no-such-package-gnnray': None}} False", \
-        out.stderr[-2000:]
+    import json
+
+    native, graphbolt, imported = json.loads(out.stdout)
+    assert list(native) == ["python", "ray", "torch", "numpy", "numba"] and imported == [], out.stderr[-2000:]
+    assert native["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}" and native["ray"] == stack.RAY
+    assert "+" not in native["torch"] and native["numba"]  # torch's build label (+cpu, +cu130) is not compared
+    assert list(graphbolt)[-1] == "dgl"
 
 
-def test_every_node_answers_with_the_pinned_versions(ray_cluster, cluster):
+def test_differences_name_what_differs_from_the_driver():
+    driver = {"python": "3.11", "torch": "2.13.0", "numpy": "2.4.6"}
+    assert stack.differences(driver, driver) == []
+    assert stack.differences({"python": "3.12", "torch": "2.13.0"}, driver) == [
+        "python 3.12 (driver: 3.11)", "numpy missing (driver: 2.4.6)"]
+
+
+def test_every_node_answers_with_the_drivers_stack(ray_cluster, cluster):
     with _simulated_nodes(cluster, 1):
         nodes = preflight.nodes()
         assert len(nodes) == 2
-        assert preflight.check_versions(nodes) == 2
+        assert preflight.check_versions(nodes, stack.versions()) == 2
 
 
-def test_a_node_without_a_pinned_package_or_version_is_named(ray_cluster):
-    nodes = preflight.nodes()
-    with pytest.raises(ClusterError) as err:
-        preflight.check_versions(nodes, {"ray": "2.59.0", "no-such-package-gnnray": "1.0"})
-    message = str(err.value)
-    assert f"node {nodes[0].address} ({nodes[0].node_id[:8]}) has ray {preflight.PINNED['ray']}, " \
-           "no-such-package-gnnray missing" in message, message
-    assert "ray==2.59.0 no-such-package-gnnray==1.0 on every node" in message, message
+def test_a_node_with_another_stack_is_named(ray_cluster, cluster, tmp_path):
+    """A node whose environment reports numpy 9.9.9 and torch 0.1.0 is named with both, the others are not."""
+    with _simulated_nodes(cluster, 1, other_versions(tmp_path, {"numpy": "9.9.9", "torch": "0.1.0+cu999"})) as [node]:
+        with pytest.raises(ClusterError) as err:
+            preflight.check_versions(preflight.nodes(), stack.versions())
+    message, mine = str(err.value), stack.versions()
+    assert message.count(" has ") == 1 and f"node {node.node_ip_address} ({node.node_id[:8]}) has " in message
+    assert f"torch 0.1.0 (driver: {mine['torch']}), numpy 9.9.9 (driver: {mine['numpy']})" in message, message
 
 
-def test_a_mismatch_stops_the_job_in_one_line_before_training(ray_cluster, tmp_path, monkeypatch, capsys):
-    """The real check, on the session's cluster, against a pin its nodes do not have (DGL 2.0.0)."""
+def test_a_node_that_cannot_answer_is_named(ray_cluster, cluster):
+    """A node that cannot start the check's process in time is refused by name, not passed."""
+    with _simulated_nodes(cluster, 1) as [node]:
+        nodes = preflight.nodes()
+        with pytest.raises(ClusterError, match=rf"node {re.escape(node.node_ip_address)} \({node.node_id[:8]}\) did "
+                                               r"not answer the version check within 0.001 s"):
+            preflight.check_versions(nodes, stack.versions(), timeout_s=0.001)
+
+
+def test_the_driver_without_dgl_refuses_graphbolt_in_one_line():
+    if stack.installed(["dgl"])["dgl"] == stack.DGL:
+        assert preflight.check_driver("graphbolt")["dgl"] == stack.DGL
+        return
+    with pytest.raises(ClusterError, match=r"gnnray needs ray==2\.60\.0 dgl==2\.1\.0, and this driver has dgl "
+                                           r"missing: install the dgl extra \(pip install -e '\.\[dgl\]'"):
+        preflight.check_driver("graphbolt")
+
+
+def test_a_mismatch_stops_the_job_in_one_line_before_training(ray_cluster, cluster, tmp_path, capsys):
+    """The real job, on the session's cluster plus a node whose numpy differs: refused before any actor starts."""
     import ray._private.state
 
-    monkeypatch.setitem(preflight.PINNED, "dgl", "2.0.0")
-    actors = len(ray._private.state.actors())  # the GCS table keeps dead ones
-    assert main(SMALL + ["--storage-path", str(tmp_path), "--name", "pinned"]) == 2
+    with _simulated_nodes(cluster, 1, other_versions(tmp_path / "site", {"numpy": "9.9.9"})) as [node]:
+        actors = len(ray._private.state.actors())  # the GCS table keeps dead ones
+        assert main(SMALL + ["--storage-path", str(tmp_path), "--name", "pinned"]) == 2
+        assert len(ray._private.state.actors()) == actors, "an actor started before the versions were checked"
     err = own_stderr(capsys.readouterr().err).strip()
     assert err.count("\n") == 0 and "Traceback" not in err, err
-    assert err.startswith("gnnray: error: gnnray needs ray==2.60.0 dgl==2.0.0 on every node and node ") and \
-        f"has dgl {preflight.installed_versions(('dgl',))['dgl']}" in err, err
-    assert len(ray._private.state.actors()) == actors, "an actor started before the versions were checked"
+    assert err.startswith("gnnray: error: every node needs the driver's python, ray, torch, numpy, numba, and node "
+                          f"{node.node_ip_address} ({node.node_id[:8]}) has numpy 9.9.9 (driver: "), err
     assert not (tmp_path / "pinned" / METRICS_LOG).exists()
