@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import platform
 import re
+import sys
 import traceback
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -15,6 +17,9 @@ from gnnray.config import DataConfig, JobConfig, ModelConfig, RunConfig, Sampler
 from gnnray.cpus import node_cores
 
 REPO = Path(__file__).resolve().parents[1]
+# The interpreter of an environment with the dgl extra (torch 2.2.1), where the DGL baselines run: DGL cannot be
+# imported beside the default install's torch. Ours runs in this process's environment.
+DGL_PYTHON = os.environ.get("GNNRAY_DGL_PYTHON", sys.executable)
 DEFAULT_DATASET = REPO.parent / "shared" / "datasets" / "arxiv-structure"
 DEFAULT_JSON = REPO / "bench-results" / "benchmark.json"
 
@@ -154,32 +159,46 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _dgl():
+    """DGL where this environment has the dgl extra, else ``None`` (it cannot load beside a current torch)."""
+    if importlib.util.find_spec("dgl") is None:
+        return None
+    from gnnray.pipeline.graphbolt import import_dgl
+
+    return import_dgl()
+
+
 @contextlib.contextmanager
 def threads(n: int):
-    """Limit torch's and DGL's OpenMP pools to ``n`` threads (they are separate libgomp copies)."""
-    import dgl.utils
+    """Limit torch's and, where loaded, DGL's OpenMP pools to ``n`` threads (they are separate libgomp copies)."""
     import torch
 
-    torch_before, dgl_before = torch.get_num_threads(), dgl.utils.get_num_threads()
+    dgl = _dgl()
+    torch_before = torch.get_num_threads()
+    dgl_before = dgl.utils.get_num_threads() if dgl else None
     torch.set_num_threads(n)
-    dgl.utils.set_num_threads(n)
+    if dgl:
+        dgl.utils.set_num_threads(n)
     try:
         yield
     finally:
         torch.set_num_threads(torch_before)
-        dgl.utils.set_num_threads(dgl_before)
+        if dgl:
+            dgl.utils.set_num_threads(dgl_before)
 
 
 def machine() -> dict:
-    import dgl
     import psutil
     import ray
     import torch
 
+    from gnnray import stack
+
     return dict(cpus=os.cpu_count(), memory_gib=round(psutil.virtual_memory().total / 2**30, 1),
                 gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 load_avg=os.getloadavg(), python=platform.python_version(), torch=torch.__version__,
-                dgl=dgl.__version__, ray=ray.__version__)
+                numba=stack.installed(["numba"])["numba"], dgl=stack.installed(["dgl"])["dgl"], ray=ray.__version__,
+                dgl_python=DGL_PYTHON)
 
 
 def start_ray(s: Settings, verbose: bool) -> None:

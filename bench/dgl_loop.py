@@ -48,7 +48,8 @@ class DglLoop:
     def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int, affinity: bool = False):
         import torch
 
-        from gnnray.data.store import readonly_tensor, to_dgl
+        from gnnray.data.store import readonly_tensor
+        from gnnray.pipeline.graphbolt import to_dgl
         from bench.dgl_models import DGLModel
         from gnnray.train.model import model_for
 

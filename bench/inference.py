@@ -62,7 +62,7 @@ def dgl_convs(model, sizes: list[int]):
 def main(argv=None) -> int:
     from gnnray.config import DataConfig
     from gnnray.data.load import load_graph
-    from gnnray.data.store import to_dgl
+    from gnnray.pipeline.graphbolt import to_dgl
     from gnnray.pipeline.features import LocalRows
     from gnnray.train.layerwise import infer
     from gnnray.train.model import build_model

@@ -7,7 +7,10 @@ exists, else drawn at random with the sizes of such a batch; input 128
 features, hidden 256 (GAT: 4 heads of 64), 40 classes, dropout 0.5, train
 mode. Each model and its DGL-module twin (bench/dgl_models.py, the former
 models, same weights; DGL blocks built beforehand, as a DGL loader hands them
-out) run in turn, repeat after repeat; each figure is the median.
+out) run in turn, repeat after repeat; each figure is the median. DGL's
+modules run only in an environment with the dgl extra (torch 2.2.1); in the
+default one (current torch) the torch models run alone, so running both and
+comparing separates the models' cost from torch's version.
 """
 
 from __future__ import annotations
@@ -49,11 +52,14 @@ def sample_layers() -> tuple[list, str]:
 
 
 def measure(names, repeats: int, warmup: int = 2) -> dict:
-    from bench.dgl_models import DGLModel, blocks
+    from bench.common import _dgl
     from gnnray.train.model import build_model
 
+    with_dgl = _dgl() is not None  # DGL's modules only where the dgl extra is installed (torch 2.2.1)
+    if with_dgl:
+        from bench.dgl_models import DGLModel, blocks
     layers, source = sample_layers()
-    dgl_blocks = blocks(layers)
+    dgl_blocks = blocks(layers) if with_dgl else None
     x = torch.randn(layers[0].num_src, IN_FEATS)
     y = torch.randint(0, CLASSES, (layers[-1].num_dst,))
     pairs = {}
@@ -61,7 +67,7 @@ def measure(names, repeats: int, warmup: int = 2) -> dict:
         torch.manual_seed(0)
         hidden = HIDDEN // HEADS if name in ("gat", "rgat") else HIDDEN
         ours = build_model(IN_FEATS, CLASSES, len(FANOUTS), hidden, 0.5, name=name, heads=HEADS).train()
-        pairs[name] = (ours, None if name == "rsage" else DGLModel(ours).train())
+        pairs[name] = (ours, None if name == "rsage" or not with_dgl else DGLModel(ours).train())
         if pairs[name][1] is not None:
             pairs[name][1].load_state_dict(ours.state_dict())
 
@@ -111,7 +117,7 @@ def main(argv=None) -> None:
     print(f"{result['source']}: layers (src/dst/edges) {sizes}; {args.threads} threads; "
           f"median of {args.repeats} interleaved repeats; baseline: DGL's modules, same weights")
     print(format_table(rows))
-    out = dict(result, threads=args.threads, repeats=args.repeats, machine=machine(),
+    out = dict(result, threads=args.threads, repeats=args.repeats, machine=machine(), torch=torch.__version__,
                rows=[r.__dict__ for r in rows], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     path = __import__("pathlib").Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ import typing
 from pathlib import Path
 
 from bench import cpu
-from bench.common import REPO, Result, Row, Settings, attempt, compare, job_config
+from bench.common import DGL_PYTHON, REPO, Result, Row, Settings, attempt, compare, job_config
 from bench.dgl_loop import RESULT
 from gnnray.config import DataConfig, JobConfig
 
@@ -130,7 +130,7 @@ def ours(cfg: JobConfig) -> dict:
 
 def dgl(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool) -> dict:
     spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers, affinity=affinity)
-    r = timed("bench.dgl_loop", [sys.executable, "-m", "bench.dgl_loop", json.dumps(spec)])
+    r = timed("bench.dgl_loop", [DGL_PYTHON, "-m", "bench.dgl_loop", json.dumps(spec)])
     out = r.pop("stdout")
     result = json.loads([line for line in out.splitlines() if line.startswith(RESULT)][-1][len(RESULT):])
     return dict(r, **result)

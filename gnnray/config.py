@@ -202,7 +202,7 @@ class TrainConfig(_Options):
     cpu_plan: str = option("on", "threads, cores and priority of the job's processes from each node's real "
                            "cores (gnnray/cpus.py; printed at start); off leaves Ray's defaults (threads from "
                            "--cpus-per-worker)", choices=("on", "off"))
-    trainer_threads: int = option(0, "torch and DGL threads per train worker, overriding the CPU plan's (0: from "
+    trainer_threads: int = option(0, "torch threads per train worker, overriding the CPU plan's (0: from "
                                   "the plan)", **at_least(0))
 
     def __post_init__(self):

@@ -69,6 +69,17 @@ def test_uneven_split_and_user_model(ray_cluster, tmp_path):
     assert summary.test_acc > 2 * (1 / 8), summary.line()
 
 
+@pytest.mark.dgl
+def test_graphbolt_sampler_trains_where_the_dgl_extra_is_installed(ray_cluster, tmp_path):
+    """``--sampler graphbolt``: the job as with gnnray's sampler, DGL's GraphBolt sampling in the actors."""
+    cfg = parse_args(SYNTHETIC + ["--sampler", "graphbolt", "--epochs", "2", "--lr", "0.02", "--storage-path",
+                                  str(tmp_path), "--name", "graphbolt"])
+    summary = run(cfg)
+    logged = _epochs_logged(tmp_path, "graphbolt")
+    assert [m["epoch"] for m in logged] == [0, 1] and logged[1]["loss"] < logged[0]["loss"]
+    assert summary.test_acc > 4 * (1 / 8), summary.line()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "/nonexistent/graph"], "unknown dataset"),
     (["--fanouts", "10,0"], "--fanouts"),

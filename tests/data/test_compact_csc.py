@@ -1,4 +1,8 @@
-"""The graph structure as int32 (compact_csc): the same graph, half the bytes, sampled by GraphBolt without a copy."""
+"""The graph structure as int32 (compact_csc): the same graph, half the bytes, sampled without a copy.
+
+Both samplers are checked: gnnray's own (``Sampler``) everywhere, GraphBolt's (``GraphBoltSampler``, the ``dgl``
+extra) in the tests and cases marked ``dgl``.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,10 @@ import torch
 
 from gnnray.data.csc import build_csc, compact_csc, structure_dtypes, typed_csc
 from gnnray.data.graph import Graph
-from gnnray.data.store import to_dgl, to_graphbolt
 from gnnray.data.synthetic import synthetic_hetero_parts, synthetic_parts
 from gnnray.data.validate import validate
 from gnnray.pipeline.batch import MiniBatch
+from gnnray.pipeline.graphbolt import to_dgl, to_graphbolt  # DGL is imported when they are called
 from gnnray.pipeline.sampler import Sampler
 
 
@@ -64,11 +68,16 @@ def test_typed_build_stores_int32_aligned_with_the_relations(reverse):
     validate(graph, "compact typed")
 
 
-def test_int64_structure_still_validates_and_dgl_refuses_a_mixed_pair():
+def test_int64_structure_still_validates():
     graph = parts(typed=False).build()
     validate(wide(graph), "int64")
+    validate(dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64)), "mixed")
+
+
+@pytest.mark.dgl
+def test_dgl_refuses_a_mixed_pair():
+    graph = parts(typed=False).build()
     mixed = dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64))
-    validate(mixed, "mixed")
     with pytest.raises(ValueError, match="same dtype"):
         to_dgl(mixed)  # what GraphBolt is for (test_graphbolt_uses_the_arrays_without_a_copy)
 
@@ -122,17 +131,26 @@ def test_compact_csc_converts_the_values_and_keeps_int32_input():
     assert c is a and d is b
 
 
-# ----------------------------------------------------------------------------- GraphBolt
+# ----------------------------------------------------------------------------- sampling
+
+# The samplers: gnnray's own everywhere, GraphBolt's where DGL is installed.
+BACKENDS = ["native", pytest.param("graphbolt", marks=pytest.mark.dgl)]
 
 
 @pytest.fixture
-def one_thread():
-    """GraphBolt samples on torch's threads with one random stream per thread: one thread makes a seed reproduce
-    a batch."""
+def torch_threads():
+    """Restores torch's thread count, which GraphBoltSampler sets for the whole process."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def make_sampler(backend: str, graph: Graph, fanouts, threads: int = 1):
+    if backend == "graphbolt":
+        from gnnray.pipeline.graphbolt import GraphBoltSampler
+
+        return GraphBoltSampler(graph, fanouts, threads)
+    return Sampler(graph, fanouts, threads=threads)
 
 
 def global_edges(mb: MiniBatch) -> list:
@@ -147,23 +165,28 @@ def global_edges(mb: MiniBatch) -> list:
     return out
 
 
-def sample(graph: Graph, fanouts, seeds: np.ndarray, seed: int) -> MiniBatch:
-    import dgl.graphbolt
+def sample(backend: str, graph: Graph, fanouts, seeds: np.ndarray, seed: int) -> MiniBatch:
+    """The blocks of ``seeds`` drawn with ``seed``: the run's seed of gnnray's sampler (batch 0 of epoch 0,
+    whatever the dtypes), GraphBolt's global seed on one torch thread (one random stream per thread)."""
+    if backend == "graphbolt":
+        import dgl.graphbolt
 
-    sampler = Sampler(graph, fanouts)
-    dgl.graphbolt.seed(seed)
-    return sampler.sample(seeds)
+        sampler = make_sampler(backend, graph, fanouts)  # one thread
+        dgl.graphbolt.seed(seed)
+        return sampler.sample(seeds)
+    return Sampler(graph, fanouts, seed=seed).sample(seeds, epoch=0, batch=0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("typed", [False, True])
-def test_int32_graph_samples_the_int64_graphs_blocks(one_thread, typed):
+def test_int32_graph_samples_the_int64_graphs_blocks(torch_threads, typed, backend):
     graph = parts(typed).build(True)
     assert graph.indptr.dtype == graph.indices.dtype == np.int32
     seeds = graph.train_idx[:64]  # int64: the sampler converts them to the dtype of indices
     fanouts = (4, 3, 2)
-    compact, reference = sample(graph, fanouts, seeds, 7), sample(wide(graph), fanouts, seeds, 7)
+    compact, reference = sample(backend, graph, fanouts, seeds, 7), sample(backend, wide(graph), fanouts, seeds, 7)
     # int64 offsets beside int32 ids (the layout past 2**31 edges): the same blocks, in int32 ids.
-    mixed = sample(dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64)), fanouts, seeds, 7)
+    mixed = sample(backend, dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64)), fanouts, seeds, 7)
     assert mixed.input_nodes.dtype == mixed.layers[0].indptr.dtype == torch.int32
     assert global_edges(mixed) == global_edges(reference)
     assert compact.input_nodes.dtype == compact.seeds.dtype == compact.layers[0].indices.dtype == torch.int32
@@ -174,7 +197,7 @@ def test_int32_graph_samples_the_int64_graphs_blocks(one_thread, typed):
     edges = global_edges(compact)
     assert edges == global_edges(reference)
     # Sampling is random here (another seed, other edges), so the equality above says something.
-    assert global_edges(sample(graph, fanouts, seeds, 8)) != edges
+    assert global_edges(sample(backend, graph, fanouts, seeds, 8)) != edges
     if typed:
         assert all(r is not None for e in edges for _, _, r in e)
 
@@ -185,11 +208,27 @@ def test_int32_graph_samples_the_int64_graphs_blocks(one_thread, typed):
     assert global_edges(back) == edges
 
 
-@pytest.mark.parametrize("ptr, idx", [(np.int32, np.int32), (np.int64, np.int32), (np.int64, np.int64)])
-def test_graphbolt_uses_the_arrays_without_a_copy(ptr, idx):
+STRUCTURES = [(np.int32, np.int32), (np.int64, np.int32), (np.int64, np.int64)]
+
+
+@pytest.mark.parametrize("ptr, idx", STRUCTURES)
+def test_sampled_ids_come_in_the_dtype_of_indices(ptr, idx):
     graph = parts(typed=False).build(True)
     g = dataclasses.replace(graph, indptr=graph.indptr.astype(ptr), indices=graph.indices.astype(idx))
-    sampler = Sampler(g, (3, 3))
+    mb = Sampler(g, (3, 3)).sample(g.train_idx[:32])
+    want = torch.from_numpy(g.indices[:0]).dtype
+    assert mb.input_nodes.dtype == mb.seeds.dtype == want
+    assert all(l.indptr.dtype == l.indices.dtype == want for l in mb.layers)
+
+
+@pytest.mark.dgl
+@pytest.mark.parametrize("ptr, idx", STRUCTURES)
+def test_graphbolt_uses_the_arrays_without_a_copy(torch_threads, ptr, idx):
+    from gnnray.pipeline.graphbolt import GraphBoltSampler
+
+    graph = parts(typed=False).build(True)
+    g = dataclasses.replace(graph, indptr=graph.indptr.astype(ptr), indices=graph.indices.astype(idx))
+    sampler = GraphBoltSampler(g, (3, 3))
     mb = sampler.sample(g.train_idx[:32])
     assert mb.input_nodes.dtype == torch.from_numpy(g.indices[:0]).dtype
     # GraphBolt samples from the arrays themselves, in their own dtypes.
@@ -200,6 +239,7 @@ def test_graphbolt_uses_the_arrays_without_a_copy(ptr, idx):
     assert to_graphbolt(g).indices.data_ptr() == g.indices.ctypes.data
 
 
+@pytest.mark.dgl
 def test_to_dgl_uses_the_arrays_without_a_copy():
     import dgl
 
@@ -217,26 +257,20 @@ def test_to_dgl_uses_the_arrays_without_a_copy():
         assert dg.formats()["created"] == ["csc"]
 
 
-@pytest.fixture
-def two_threads():
-    """Two torch threads: GraphBolt splits a batch's seeds over them (64 per task) and dedups them concurrently."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("structure", ["int32", "mixed", "int64"])
-def test_parallel_sampling_stays_right_batch_after_batch(two_threads, structure):
+def test_parallel_sampling_stays_right_batch_after_batch(torch_threads, structure, backend):
     """Batch after batch on two threads, every block's edges are the graph's and its sources unique.
 
-    (DGL 2.1's fused sampler, used before GraphBolt, went wrong after the
-    first batch on int32 graphs: this is the check that caught it.)
+    gnnray's sampler splits a layer's destinations over its threads; GraphBolt splits a batch's seeds over
+    torch's (64 per task) and dedups them concurrently. (DGL 2.1's fused sampler, used before GraphBolt, went
+    wrong after the first batch on int32 graphs: this is the check that caught it.)
     """
     graph = parts(typed=False).build(True)
     graph = {"int32": graph, "int64": wide(graph),
              "mixed": dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64))}[structure]
-    sampler = Sampler(graph, (3, 2))
+    sampler = make_sampler(backend, graph, (3, 2), threads=2)
+    assert sampler.threads == 2
     rng = np.random.default_rng(0)
     for _ in range(20):
         seeds = rng.choice(graph.num_nodes, 200, replace=False)

@@ -1,4 +1,7 @@
-"""Tests of gnnray.graph_store: the numpy Graph, CSC building, the object-store handle, the DGL and GraphBolt views."""
+"""Tests of gnnray.graph_store: the numpy Graph, CSC building, the object-store handle, the DGL and GraphBolt views.
+
+The DGL views (gnnray.pipeline.graphbolt) are tested where DGL is installed (marked ``dgl``).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import torch
 from conftest import mapping_perms, tiny_graph
 from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
-from gnnray.data.store import publish, to_dgl
+from gnnray.data.store import publish
+from gnnray.pipeline.graphbolt import to_dgl  # imports DGL when called
 
 ARRAYS = ("indptr", "indices", "feat", "label", "train_idx", "valid_idx", "test_idx")
 
@@ -99,6 +103,7 @@ def test_handle_pickles_small_and_works_in_a_task(ray_cluster, graph):
     assert not writeable
 
 
+@pytest.mark.dgl
 def test_to_dgl_in_edges(graph):
     g = to_dgl(graph)
     assert g.num_nodes() == graph.num_nodes
@@ -111,6 +116,7 @@ def test_to_dgl_in_edges(graph):
     assert g.in_degrees().tolist() == np.diff(graph.indptr).tolist()
 
 
+@pytest.mark.dgl
 def test_to_dgl_is_csc_only(graph):
     import dgl
 
@@ -123,6 +129,7 @@ def test_to_dgl_is_csc_only(graph):
     assert g.formats()["created"] == ["csc"]
 
 
+@pytest.mark.dgl
 def test_to_dgl_does_not_copy(graph):
     g = to_dgl(graph)
     indptr, indices, _ = g.adj_tensors("csc")
@@ -130,6 +137,7 @@ def test_to_dgl_does_not_copy(graph):
     assert indices.data_ptr() == graph.indices.ctypes.data
 
 
+@pytest.mark.dgl
 def test_to_dgl_over_read_only_store_arrays_does_not_copy(ray_cluster, graph):
     import warnings
 
@@ -144,11 +152,22 @@ def test_to_dgl_over_read_only_store_arrays_does_not_copy(ray_cluster, graph):
     assert g.in_degrees().tolist() == np.diff(graph.indptr).tolist()
 
 
+@pytest.fixture
+def torch_threads():
+    """Restores torch's thread count, which GraphBoltSampler sets for the whole process."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("backend", ["native", pytest.param("graphbolt", marks=pytest.mark.dgl)])
 @pytest.mark.parametrize("structure", ["int32", "mixed"])
-def test_sampler_reads_the_write_protected_store_arrays_in_place(ray_cluster, structure):
-    """GraphBolt samples from the store's read-only pages themselves, int64 ``indptr`` beside int32 ``indices`` too."""
+def test_sampler_reads_the_write_protected_store_arrays_in_place(ray_cluster, torch_threads, monkeypatch, structure,
+                                                                 backend):
+    """The sampler (gnnray's, or GraphBolt's) samples from the store's read-only pages themselves, int64 ``indptr``
+    beside int32 ``indices`` too."""
     from gnnray.data.csc import compact_csc
-    from gnnray.pipeline.sampler import Sampler
+    from gnnray.pipeline.sampler import make_sampler
 
     graph = tiny_graph(num_nodes=20_000, num_edges=200_000, seed=5)  # past Ray's 100 KiB inlining: in shared memory
     indptr, indices = compact_csc(graph.indptr, graph.indices)
@@ -156,14 +175,29 @@ def test_sampler_reads_the_write_protected_store_arrays_in_place(ray_cluster, st
                                 indices=indices)
     got = publish(graph).get()
     assert (got.indptr.dtype, got.indices.dtype) == (graph.indptr.dtype, np.int32)
+    assert not got.indptr.flags.writeable and not got.indices.flags.writeable
 
-    sampler = Sampler(got, (5, 5))
-    bolt = sampler._g
-    for tensor, array in ((bolt.csc_indptr, got.indptr), (bolt.indices, got.indices)):
-        assert tensor.data_ptr() == array.ctypes.data  # no copy
-        assert mapping_perms(tensor.data_ptr()) == "r--s"  # the read-only alias of the store's pages
+    sampler = make_sampler(got, (5, 5), backend)
+    reads = []  # per layer drawn, the (address, dtype) of the indptr and indices it was drawn from
+    if backend == "graphbolt":  # GraphBolt's graph, made once
+        reads.append([(t.data_ptr(), t.numpy().dtype) for t in (sampler._g.csc_indptr, sampler._g.indices)])
+    else:  # the arrays gnnray's kernels are given, layer by layer
+        from gnnray.pipeline import pick
+
+        draw = pick.sample_layer
+
+        def seen(indptr, indices, *rest):
+            reads.append([(a.ctypes.data, a.dtype) for a in (indptr, indices)])
+            return draw(indptr, indices, *rest)
+
+        monkeypatch.setattr(pick, "sample_layer", seen)
     seeds = graph.train_idx[:256]
     mb = sampler.sample(seeds)
+    assert len(reads) == (1 if backend == "graphbolt" else 2)
+    for read in reads:
+        for (address, dtype), array in zip(read, (got.indptr, got.indices)):
+            assert address == array.ctypes.data and dtype == array.dtype  # no copy, no conversion
+            assert mapping_perms(address) == "r--s"  # the read-only alias of the store's pages
     assert mb.seeds.tolist() == seeds.tolist() and mb.input_nodes.dtype == torch.int32
     src = mb.input_nodes.long()
     for layer in mb.layers:  # every sampled edge is one of the graph's

@@ -98,3 +98,53 @@ def test_a_mismatch_stops_the_job_in_one_line_before_training(ray_cluster, clust
     assert err.startswith("gnnray: error: every node needs the driver's python, ray, torch, numpy, numba, and node "
                           f"{node.node_ip_address} ({node.node_id[:8]}) has numpy 9.9.9 (driver: "), err
     assert not (tmp_path / "pinned" / METRICS_LOG).exists()
+
+
+def test_a_sampler_actor_on_a_node_with_another_stack_refuses_to_start(ray_cluster, cluster, tmp_path):
+    """The check each sampler actor makes when it starts, on a node that joined after the driver's check."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from conftest import tiny_graph
+    from gnnray.data.store import publish
+    from gnnray.pipeline.sampler import SamplerActor
+    from gnnray.pipeline.seeds import SeedPlan
+
+    graph = tiny_graph()
+    handle, plan = publish(graph), SeedPlan.for_run(graph.train_idx, 4, 1, 0)
+    with _simulated_nodes(cluster, 1, other_versions(tmp_path, {"numba": "0.1.0"})) as [node]:
+        on_new_node = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+        actor = ray.remote(SamplerActor).options(num_cpus=0, scheduling_strategy=on_new_node, max_restarts=0).remote(
+            handle, (2,), plan, stack=stack.versions())
+        with pytest.raises(ray.exceptions.RayActorError) as err:
+            ray.get(actor.__ray_ready__.remote(), timeout=120)
+    message = str(err.value)
+    assert f"a sampler actor on node {node.node_ip_address} ({node.node_id[:8]}) has numba 0.1.0 (driver: " in message
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_later_with_another_stack_is_refused_by_name(ray_cluster, cluster, tmp_path):
+    """An elastic run grows onto a node that joined after its start-up check and whose numpy differs: the rank
+    placed there stops the attempt, and the run ends with one line naming the node and the difference."""
+    from drills import JOB_TIMEOUT_S, JobThread, logged, wait_until
+    from gnnray.driver.failures import one_line
+
+    args = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
+            "--batch-size", "32", "--hidden", "16", "--sampler-actors", "1,1", "--eval", "sampled",
+            "--cpus-per-worker", "4", "--num-workers", "1,2", "--resize-interval", "1", "--epochs", "40",
+            "--storage-path", str(tmp_path), "--name", "joins"]  # the head (6 CPUs) fits one 4-CPU worker
+    job = JobThread(args)
+    node = None
+    try:
+        wait_until(lambda: logged(tmp_path, "joins"), JOB_TIMEOUT_S, "the first epoch", job)
+        node = cluster.add_node(num_cpus=5, object_store_memory=80 * 2**20,
+                                env_vars=other_versions(tmp_path / "site", {"numpy": "9.9.9"}))
+        job.join()
+    finally:
+        if node is not None:
+            cluster.remove_node(node)
+            cluster.wait_for_nodes()
+    assert job.error is not None, "the run went on with a node of another stack"
+    line = one_line(job.error)
+    assert "\n" not in line and re.search(rf"rank \d on node {re.escape(node.node_ip_address)} \({node.node_id[:8]}\) "
+                                         r"has numpy 9\.9\.9 \(driver: ", line), line

@@ -1,4 +1,7 @@
-"""Tests of gnnray.pipeline.batch: the packed MiniBatch format, device moves, and its layers as DGL blocks."""
+"""Tests of gnnray.pipeline.batch: the packed MiniBatch format, device moves, and its layers as DGL blocks.
+
+The DGL blocks (``bench.dgl_models``, the tests' oracle) are built only in the tests marked ``dgl``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from bench.dgl_models import blocks as dgl_blocks
 from gnnray.pipeline.batch import Layer, MiniBatch, from_arrow, id_dtype, to_arrow
 from gnnray.pipeline.sampler import Sampler
 
@@ -22,6 +24,14 @@ def sampler():
 @pytest.fixture
 def mb(sampler) -> MiniBatch:
     return sampler.sample(SEEDS, epoch=5)
+
+
+@pytest.fixture
+def dgl_blocks():
+    """``bench.dgl_models.blocks``: layers as DGL blocks (imports DGL: for tests marked ``dgl``)."""
+    from bench.dgl_models import blocks
+
+    return blocks
 
 
 def assert_batches_equal(a: MiniBatch, b: MiniBatch) -> None:
@@ -167,7 +177,18 @@ def test_to_keeps_none_features(mb):
     assert mb.to("cpu").x is None
 
 
-def test_blocks_match_layers(mb):
+def test_layers_chain(mb):
+    """Each layer's destinations are the next layer's sources; the last layer's are the seeds."""
+    for a, b in zip(mb.layers, mb.layers[1:]):
+        assert a.num_dst == b.num_src
+    assert mb.layers[-1].num_dst == mb.num_seeds
+    assert mb.layers[0].num_src == mb.input_nodes.shape[0]
+    for layer in mb.layers:
+        assert layer.indptr.shape[0] == layer.num_dst + 1 and int(layer.indptr[-1]) == layer.indices.shape[0]
+
+
+@pytest.mark.dgl
+def test_blocks_match_layers(mb, dgl_blocks):
     blocks = dgl_blocks(mb.layers)
     assert len(blocks) == len(mb.layers)
     for block, layer in zip(blocks, mb.layers):
@@ -181,9 +202,10 @@ def test_blocks_match_layers(mb):
     assert blocks[-1].num_dst_nodes() == mb.num_seeds
 
 
+@pytest.mark.dgl
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("layer_index", [0, 1])
-def test_block_message_passing_matches_manual(mb, layer_index, dtype):
+def test_block_message_passing_matches_manual(mb, layer_index, dtype, dgl_blocks):
     import dgl.function as fn
 
     mb = MiniBatch.unpack(torch.from_numpy(mb.pack(dtype)))  # as a train worker gets it
@@ -207,14 +229,24 @@ def test_block_message_passing_matches_manual(mb, layer_index, dtype):
     torch.testing.assert_close(got_sum, expected_sum)
 
 
-def test_hand_made_batch_round_trip_and_message_passing():
-    import dgl.function as fn
-
-    # 3 sources, 2 destinations: dst0 <- {src1, src2, src2}, dst1 <- {src0}
+def hand_made_batch() -> MiniBatch:
+    """3 sources, 2 destinations: dst0 <- {src1, src2, src2}, dst1 <- {src0}."""
     layer = Layer(torch.tensor([0, 3, 4]), torch.tensor([1, 2, 2, 0]), 3)
-    mb = MiniBatch(torch.tensor([10, 11]), torch.tensor([1, 0]), torch.tensor([10, 11, 12]), [layer], epoch=2)
+    return MiniBatch(torch.tensor([10, 11]), torch.tensor([1, 0]), torch.tensor([10, 11, 12]), [layer], epoch=2)
+
+
+def test_hand_made_batch_round_trip():
+    mb = hand_made_batch()
     out = MiniBatch.unpack(torch.from_numpy(mb.pack()))
     assert_batches_equal(mb, out)
+    assert out.layers[0].indptr.tolist() == [0, 3, 4] and out.layers[0].indices.tolist() == [1, 2, 2, 0]
+
+
+@pytest.mark.dgl
+def test_hand_made_batch_message_passing(dgl_blocks):
+    import dgl.function as fn
+
+    out = MiniBatch.unpack(torch.from_numpy(hand_made_batch().pack()))
     block = dgl_blocks(out.layers)[0]
     block.srcdata["h"] = torch.tensor([[1.0], [2.0], [4.0]])
     block.update_all(fn.copy_u("h", "m"), fn.sum("m", "s"))
@@ -229,5 +261,11 @@ def test_empty_seed_batch_round_trip(sampler):
     assert out.num_seeds == 0
     assert out.epoch == 3
     assert len(out.layers) == 2
+    assert out.layers[-1].num_dst == 0
+
+
+@pytest.mark.dgl
+def test_empty_seed_batch_gives_blocks_without_destinations(sampler, dgl_blocks):
+    out = MiniBatch.unpack(torch.from_numpy(sampler.sample(np.array([], dtype=np.int64), epoch=3).pack()))
     blocks = dgl_blocks(out.layers)
     assert blocks[-1].num_dst_nodes() == 0

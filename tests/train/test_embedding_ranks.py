@@ -5,7 +5,8 @@ simulated shard nodes. The reference is DGL's own ``dgl.optim.SparseAdam`` on a 
 in this process (``test_embedding.dgl_sparse_adam``): each rank's lookup of a step is one forward call, so
 DGL averages a row's gradient over the ranks that touched it and counts steps per row, as its
 ``dgl.distributed.optim.SparseAdam`` does for ``DistEmbedding`` after the exchange between trainers (the
-distributed one needs DistGraph servers; both apply the same update).
+distributed one needs DistGraph servers; both apply the same update). That comparison is marked ``dgl``;
+without DGL, the sharded tables are checked against the replicated table on the same two ranks.
 """
 
 from __future__ import annotations
@@ -108,12 +109,29 @@ def _owners(shard_nodes, bounds):
     return create_owners([(lo, hi, nodes[k], f"sim{k}") for k, (lo, hi) in enumerate(bounds)], DIM, LR, SEED)
 
 
-def test_two_ranks_three_owners_update_as_dgl_and_resume_from_shard_files(ray_cluster, shard_nodes, ranks,
-                                                                          tmp_path):
-    """K=3 on 2 ranks gives DGL's table; its checkpoint (one file set per owner) resumes on K=3 and on K=1."""
+@pytest.mark.dgl
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_ranks_update_as_dgl(ray_cluster, shard_nodes, ranks, seed):
+    """On 2 ranks, K=3 owners and the replicated K=1 table both give DGL's table (the reference of the tests
+    below, which compare with the replicated one)."""
+    ray = ray_cluster
+    steps = _steps(seed=seed)
+    want = _dgl(steps)
+    sharded = _owners(shard_nodes, [(0, 70), (70, 140), (140, N)])
+    for owners in (sharded, None):
+        full, _ = _run(ray, ranks, owners, steps)
+        np.testing.assert_allclose(full, want, rtol=0, atol=1e-5)
+    for o in sharded:
+        ray.kill(o[3])
+
+
+def test_two_ranks_three_owners_update_as_one_table_and_resume_from_shard_files(ray_cluster, shard_nodes, ranks,
+                                                                                tmp_path):
+    """K=3 on 2 ranks gives the replicated table's values; its checkpoint (one file set per owner) resumes on K=3
+    and on K=1."""
     ray = ray_cluster
     steps = _steps()
-    want = _dgl(steps)
+    want, _ = _run(ray, ranks, None, steps)  # the replicated table on the same ranks (DGL's: test above)
     sharded = _owners(shard_nodes, [(0, 70), (70, 140), (140, N)])
 
     full, _ = _run(ray, ranks, sharded, steps)
@@ -129,7 +147,7 @@ def test_two_ranks_three_owners_update_as_dgl_and_resume_from_shard_files(ray_cl
         assert np.load(ckpt / s["dir"] / "weight.npy", mmap_mode="r").shape == (s["hi"] - s["lo"], DIM)
     assert checkpoint.read_info(str(ckpt)) and checkpoint.corrupt_reason(str(ckpt), ("embedding",)) is None
 
-    # Resume on K=3 owners with other bounds, and on the replicated K=1 table: both end at DGL's table.
+    # Resume on K=3 owners with other bounds, and on the replicated K=1 table: both end at the same table.
     regrouped = _owners(shard_nodes, [(0, 20), (20, 150), (150, N)])
     for owners in (regrouped, None):
         resumed, _ = _run(ray, ranks, owners, steps[3:], load=str(ckpt))
@@ -142,13 +160,14 @@ def test_a_replicated_checkpoint_resumes_on_owners(ray_cluster, shard_nodes, ran
     """K=1 -> K=3: the owners take their rows and per-row state from the replicated table's one file set."""
     ray = ray_cluster
     steps = _steps(seed=1)
+    want, _ = _run(ray, ranks, None, steps)  # without a break (DGL's table: test_two_ranks_update_as_dgl)
     ckpt = tmp_path / "k1"
     ckpt.mkdir()
     _, entry = _run(ray, ranks, None, steps[:2], save=str(ckpt))
     assert [(s["lo"], s["hi"]) for s in entry["shards"]] == [(0, N)]
     owners = _owners(shard_nodes, [(0, 70), (70, 140), (140, N)])
     resumed, _ = _run(ray, ranks, owners, steps[2:], load=str(ckpt))
-    np.testing.assert_allclose(resumed, _dgl(steps), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(resumed, want, rtol=0, atol=1e-5)
     for o in owners:
         ray.kill(o[3])
 

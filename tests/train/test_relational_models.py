@@ -1,5 +1,8 @@
 """Tests of typed mini-batches and the relational models: edge types through sampling and packing, RGAT and
-R-SAGE, their layer-wise inference."""
+R-SAGE, their layer-wise inference.
+
+DGL's blocks and modules (the oracle, ``bench.dgl_models``) are imported inside the tests marked ``dgl``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import pytest
 import torch
 
 from conftest import tiny_graph
-from bench.dgl_models import block as dgl_block, blocks as dgl_blocks, relation_blocks
 from gnnray.config import DataConfig
 from gnnray.data.load import load_graph
 from gnnray.pipeline.batch import MiniBatch, id_dtype
@@ -41,7 +43,14 @@ def test_sampled_edge_types_match_the_graph(hetero):
                 checked += 1
         src = dst
     assert checked > 100
-    # DGL blocks of the layers (the test oracle's) carry them as edata in edge id order, the CSC order.
+
+
+@pytest.mark.dgl
+def test_dgl_blocks_carry_the_edge_types(hetero):
+    """DGL blocks of the layers (the test oracle's) carry them as edata in edge id order, the CSC order."""
+    from bench.dgl_models import blocks as dgl_blocks
+
+    mb = MiniBatch.unpack(torch.from_numpy(Sampler(hetero, (4, 3)).sample(hetero.train_idx[:50]).pack(np.int64)))
     for layer, block in zip(mb.layers, dgl_blocks(mb.layers)):
         u, v, eid = block.edges(form="all", order="eid")
         assert eid.tolist() == list(range(block.num_edges()))
@@ -59,6 +68,13 @@ def test_untyped_batches_pack_no_types():
     assert len(packed) == header + sizes
     out = MiniBatch.unpack(torch.from_numpy(packed))
     assert all(l.etype is None for l in out.layers)
+
+
+@pytest.mark.dgl
+def test_dgl_blocks_of_untyped_batches_have_no_types():
+    from bench.dgl_models import blocks as dgl_blocks
+
+    out = MiniBatch.unpack(torch.from_numpy(Sampler(tiny_graph(), (3, 2)).sample(np.array([1, 5, 7])).pack(np.int32)))
     assert all("etype" not in b.edata for b in dgl_blocks(out.layers))
 
 
@@ -70,20 +86,48 @@ def test_typed_pack_round_trip_and_move(hetero):
     assert out.epoch == 3
 
 
-def test_relation_patterns_match_edge_subgraph(hetero):
-    """Rows r * num_dst + v of the relation pattern hold v's in-edges of relation r, as DGL's edge_subgraph."""
-    layer = Sampler(hetero, (5,)).sample(hetero.train_idx[:30]).layers[0]
-    r, n, m = hetero.num_relations, layer.num_src, layer.num_dst
+def relation_edges(layer, r: int) -> list:
+    """Per relation, its (source, destination) edges of ``layer`` in CSC order: what DGL's ``edge_subgraph``
+    of the relation keeps (test_relation_patterns_match_edge_subgraph), computed here without it."""
+    dst = np.repeat(np.arange(layer.num_dst), np.diff(layer.indptr.numpy()))
+    src, etype = layer.indices.numpy(), layer.etype.numpy()
+    return [list(zip(src[etype == j].tolist(), dst[etype == j].tolist())) for j in range(r)]
+
+
+def pattern_edges(layer, r: int) -> list:
+    """Per relation, the (source, destination) edges that :func:`relation_patterns` give it, in their order."""
+    n, m = layer.num_src, layer.num_dst
     plain, spread = relation_patterns(layer, r)
     assert plain.num_rows == spread.num_rows == r * m and plain.num_cols == n and spread.num_cols == r * n
     assert torch.equal(spread.indices // r, plain.indices)  # column u * r + relation
     rows = np.repeat(np.arange(r * m), np.diff(plain.indptr.numpy()))
-    for j, sub in enumerate(relation_blocks(dgl_block(layer), r)):
-        assert sub.num_src_nodes() == n and sub.num_dst_nodes() == m
+    out = []
+    for j in range(r):
         mine = rows // m == j
         assert (spread.indices.numpy()[mine] % r == j).all()
-        got = list(zip(plain.indices.numpy()[mine].tolist(), (rows[mine] % m).tolist()))
-        assert got == list(zip(*[t.tolist() for t in sub.edges(order="eid")]))  # same edges, same order
+        out.append(list(zip(plain.indices.numpy()[mine].tolist(), (rows[mine] % m).tolist())))
+    return out
+
+
+def test_relation_patterns_hold_each_relations_edges(hetero):
+    """Rows r * num_dst + v of the relation pattern hold v's in-edges of relation r, in the layer's order."""
+    layer = Sampler(hetero, (5,)).sample(hetero.train_idx[:30]).layers[0]
+    got = pattern_edges(layer, hetero.num_relations)
+    assert got == relation_edges(layer, hetero.num_relations)
+    assert sum(map(len, got)) == layer.indices.shape[0] and sum(1 for e in got if e) > 1
+
+
+@pytest.mark.dgl
+def test_relation_patterns_match_edge_subgraph(hetero):
+    """Rows r * num_dst + v of the relation pattern hold v's in-edges of relation r, as DGL's edge_subgraph."""
+    from bench.dgl_models import block as dgl_block, relation_blocks
+
+    layer = Sampler(hetero, (5,)).sample(hetero.train_idx[:30]).layers[0]
+    r, n, m = hetero.num_relations, layer.num_src, layer.num_dst
+    got = pattern_edges(layer, r)
+    for j, sub in enumerate(relation_blocks(dgl_block(layer), r)):
+        assert sub.num_src_nodes() == n and sub.num_dst_nodes() == m
+        assert got[j] == list(zip(*[t.tolist() for t in sub.edges(order="eid")]))  # same edges, same order
 
 
 def _full_blocks(graph, num_layers: int):
@@ -160,9 +204,12 @@ def test_checkpoint_rebuilds_the_relations(tmp_path, hetero):
         assert torch.equal(a, b), k
 
 
+@pytest.mark.dgl
 def test_rsage_computes_what_summed_sageconvs_compute_with_one_self_projection(hetero):
     """R SAGEConvs summed = one self-projection (their W_self and biases added up) + a W_neigh per relation."""
     from dgl.nn import SAGEConv
+
+    from bench.dgl_models import block as dgl_block, relation_blocks
 
     torch.manual_seed(0)
     layer = Sampler(hetero, (5,)).sample(hetero.train_idx[:40]).layers[0]
@@ -183,9 +230,24 @@ def test_rsage_computes_what_summed_sageconvs_compute_with_one_self_projection(h
             torch.testing.assert_close(model.layer(0, layer, h), summed, rtol=1e-5, atol=1e-5)
 
 
-def test_a_former_rsage_checkpoint_is_refused_naming_the_cause(tmp_path, hetero):
+class FormerSAGEConv(torch.nn.Module):
+    """The parameters of DGL's ``SAGEConv(a, b, "mean")`` under its names (test_former_sageconv_is_dgls)."""
+
+    def __init__(self, a: int, b: int):
+        super().__init__()
+        self.fc_self = torch.nn.Linear(a, b)
+        self.fc_neigh = torch.nn.Linear(a, b, bias=False)
+
+
+@pytest.mark.dgl
+def test_former_sageconv_is_dgls():
     from dgl.nn import SAGEConv
 
+    theirs, mine = SAGEConv(5, 3, "mean").state_dict(), FormerSAGEConv(5, 3).state_dict()
+    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in theirs.items()}
+
+
+def test_a_former_rsage_checkpoint_is_refused_naming_the_cause(tmp_path, hetero):
     from gnnray.config import JobConfig, ModelConfig, SamplerConfig
     from gnnray.errors import GnnrayError
     from gnnray.inference.layerwise import load_model
@@ -193,7 +255,7 @@ def test_a_former_rsage_checkpoint_is_refused_naming_the_cause(tmp_path, hetero)
 
     # The former layout: a SAGEConv per relation and layer, under the same names.
     old = RSAGE(hetero.feat_dim, 8, hetero.num_classes, 2, 0.0, hetero.num_relations)
-    old.convs = torch.nn.ModuleList(torch.nn.ModuleList(SAGEConv(a, b, "mean") for _ in range(hetero.num_relations))
+    old.convs = torch.nn.ModuleList(torch.nn.ModuleList(FormerSAGEConv(a, b) for _ in range(hetero.num_relations))
                                     for a, b in ((hetero.feat_dim, 8), (8, hetero.num_classes)))
     del old.selfs
     with pytest.raises(GnnrayError, match="former layout"):
