@@ -96,8 +96,8 @@ class Sampler:
 
         g = self._graph
         nodes = seeds_in = np.ascontiguousarray(seeds, dtype=self._dtype)
-        if batch is None:
-            batch = zlib.crc32(nodes)
+        if batch is None:  # the ids name it, whatever their dtype: int32 and int64 copies of a graph draw alike
+            batch = zlib.crc32(np.ascontiguousarray(seeds, dtype=np.int64))
         if self._table is None:  # zeroed pages: memory is taken as nodes are first met
             self._table = np.zeros(g.num_nodes, np.int32 if g.num_nodes < 2**31 else np.int64)
         layers = []
