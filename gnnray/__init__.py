@@ -33,8 +33,9 @@ step  file                        runs on                 output
   ``predict.py``), ``preflight.py`` (storage and cluster checks),
   ``console.py`` (what a run prints), ``failures.py`` (one-line failure text).
 - ``train/layerwise.py``: exact layer-wise inference on the train workers after
-  the last epoch; ``inference/layerwise.py`` runs the same code in one Ray task
-  for ``jobs/predict.py``.
+  the last epoch (``train/hidden.py``: its hidden tables on the shard servers
+  with ``--feature-shards``); ``inference/layerwise.py`` runs the same code in
+  one Ray task for ``jobs/predict.py``.
 - Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
   ``metrics.py`` (Prometheus metrics of workers and sampler actors).
 """

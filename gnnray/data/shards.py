@@ -92,12 +92,21 @@ class ShardedFeatures:
 
 
 class ShardServer:
-    """Serves one shard's rows on its node: one :meth:`gather` call per (mini-batch, shard)."""
+    """Serves one shard's rows on its node: one :meth:`gather` call per (mini-batch, shard).
+
+    It also holds its range's rows of layer-wise inference's hidden tables
+    (:mod:`gnnray.train.hidden`): :meth:`keep` puts a chunk of them in this
+    node's store, :meth:`hidden` serves rows of a table, :meth:`drop` frees one.
+    """
 
     def __init__(self, ref: list):
+        import threading
+
         import ray
 
         self._rows = ray.get(ref[0])  # local: a zero-copy view on this node's store
+        self._lock = threading.Lock()  # calls run on up to max_concurrency threads
+        self._token, self._tables, self._held, self._peak = None, {}, 0, 0
 
     def gather(self, local_ids: np.ndarray) -> np.ndarray:
         # Gathered here so that only the rows asked for cross the network, once, in the stored dtype.
@@ -105,6 +114,70 @@ class ShardServer:
 
     def ping(self) -> bool:
         return True
+
+    def keep(self, token: str, layer: int, lo: int, rows: np.ndarray) -> int:
+        """Hold ``rows`` (node ids ``lo..``) of hidden table ``layer`` of evaluation ``token`` in this node's store.
+
+        One evaluation at a time: a new ``token`` drops the tables of the last
+        (one that failed before :meth:`drop` leaves nothing behind for long).
+        """
+        import ray
+
+        ref = ray.put(rows)  # a copy owned here: the argument is the caller's object, freed after the call
+        rows = ray.get(ref)  # zero-copy view on that copy
+        with self._lock:
+            if token != self._token:
+                self._token, self._tables, self._held, self._peak = token, {}, 0, 0
+            self._tables.setdefault(layer, _Table()).add(lo, ref, rows)
+            self._held += rows.nbytes
+            self._peak = max(self._peak, self._held)
+        return rows.shape[0]
+
+    def hidden(self, token: str, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` (global node ids) of hidden table ``layer``, as float32."""
+        table = self._tables.get(layer) if token == self._token else None
+        if table is None:
+            raise KeyError(f"hidden table {layer} of evaluation {token[:8]} is not held here (dropped, or never "
+                           f"kept: a bug)")
+        return table.take(np.asarray(ids, dtype=np.int64))
+
+    def drop(self, token: str, layer: Optional[int] = None) -> None:
+        """Free hidden table ``layer`` of ``token`` (all of its tables without ``layer``)."""
+        with self._lock:
+            if token != self._token:
+                return
+            for t in [layer] if layer is not None else list(self._tables):
+                table = self._tables.pop(t, None)
+                self._held -= table.nbytes if table is not None else 0
+
+    def hidden_bytes(self) -> dict:
+        """Bytes of hidden rows held now and at most at once since the evaluation began (its store objects)."""
+        return dict(held=self._held, peak=self._peak)
+
+
+class _Table:
+    """A hidden table's rows on one server: chunks ``(first node id, rows)``, in any order until read."""
+
+    def __init__(self):
+        self._chunks, self._index, self.nbytes = [], None, 0
+
+    def add(self, lo: int, ref, rows: np.ndarray) -> None:
+        self._chunks.append((int(lo), ref, rows))
+        self.nbytes += rows.nbytes
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        if self._index is None:  # read only once complete (the ranks wait for each other between layers)
+            chunks = sorted(self._chunks, key=lambda c: c[0])
+            self._index = (np.array([c[0] for c in chunks], dtype=np.int64), [c[2] for c in chunks])
+        starts, parts = self._index
+        out = np.empty((len(ids), parts[0].shape[1] if parts else 0), dtype=np.float32)
+        part = np.searchsorted(starts, ids, side="right") - 1
+        order = np.argsort(part, kind="stable")
+        bounds = np.searchsorted(part[order], np.arange(len(parts) + 1))
+        for k in np.flatnonzero(np.diff(bounds)):  # only the chunks asked for, one fancy index each
+            p = order[bounds[k]:bounds[k + 1]]
+            out[p] = parts[k][ids[p] - starts[k]]
+        return out
 
 
 def _make_shard(source: FeatureSource, lo: int, hi: int, structure: list, dtype: str) -> tuple[np.ndarray, int]:
@@ -377,6 +450,13 @@ def _gather_cache(handle: ShardedFeatures, ids: np.ndarray) -> tuple[dict, int]:
 def shard_nbytes(num_rows: int, dim: int, dtype: str, k: int) -> int:
     """Bytes of the largest of ``k`` shards (:func:`shard_bounds`)."""
     return int(np.diff(shard_bounds(num_rows, k)).max()) * dim * np.dtype(dtype).itemsize
+
+
+def hidden_nbytes(num_rows: int, widths: list, k: int) -> int:
+    """Most bytes of layer-wise inference's hidden tables (float32, ``widths`` in layer order) one of ``k``
+    shard servers holds at once: its range's rows of the table a layer reads and of the one it writes."""
+    held = [widths[0]] + [a + b for a, b in zip(widths, widths[1:])] if widths else [0]
+    return int(np.diff(shard_bounds(num_rows, k)).max()) * max(held) * 4
 
 
 def cache_nbytes(num_rows: int, dim: int, dtype: str, fraction: float) -> int:
