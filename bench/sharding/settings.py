@@ -44,7 +44,7 @@ class ShardSettings:
     memory_dims: tuple = (128, 512)  # the driver's memory with feature tables of these widths
     # Layer-wise inference's hidden tables (layerwise.py): the model's layers and width, nodes per chunk, how
     # often each node's store is read while it runs.
-    infer_layers: int = 3
+    infer_layers: int = 4  # three hidden tables, of which a shard node holds two at most
     infer_hidden: int = 128
     infer_chunk: int = 2000
     poll_s: float = 0.01
