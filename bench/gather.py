@@ -22,9 +22,9 @@ import torch
 
 
 def _median_ms(fn) -> float:
-    from bench.gpu import _median_s
+    from bench.gpu.batches import median_s
 
-    return 1000 * _median_s(fn, torch.device("cpu"), 9)  # h2d synchronises itself
+    return 1000 * median_s(fn, torch.device("cpu"), 9)  # h2d synchronises itself
 
 
 def gather(cores: int) -> dict:
@@ -49,7 +49,7 @@ def gather(cores: int) -> dict:
 
 
 def threads(cores: int) -> dict:
-    from bench.gpu import prefetch_overlap
+    from bench.gpu.prefetch import prefetch_overlap
 
     dev, out = "cuda" if torch.cuda.is_available() else "cpu", {}
     for n in sorted({cores, max(1, cores - 1), 8, 4, 2} & set(range(1, cores + 1)), reverse=True):

@@ -39,10 +39,10 @@ def _cluster(store_mib: int):
     import ray.data
     from ray.cluster_utils import Cluster
 
-    from bench.sharding import _free_port
+    from bench.sharding.cluster import free_port
     from gnnray.driver.console import quiet_ray
 
-    port = _free_port()
+    port = free_port()
     os.environ["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{port}"  # Ray Train's cleaner finds this one
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, gcs_server_port=port,
                                                                 object_store_memory=store_mib * MIB))
@@ -62,10 +62,10 @@ def _store_layout(handle, head: str) -> dict:
 
     import ray
 
-    from bench.sharding import _bytes_on
+    from bench.sharding.cluster import bytes_on
 
-    # _bytes_on reads only the node list of bench.sharding's SimulatedCluster.
-    held = _bytes_on(SimpleNamespace(nodes=[n["NodeID"] for n in ray.nodes() if n.get("Alive")]), handle)
+    # bytes_on reads only the node list of bench.sharding's SimulatedCluster.
+    held = bytes_on(SimpleNamespace(nodes=[n["NodeID"] for n in ray.nodes() if n.get("Alive")]), handle)
     try:
         from ray._private.internal_api import node_stats
 

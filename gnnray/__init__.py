@@ -23,7 +23,8 @@ step  file                        runs on                 output
   ``ogb.py``, ``mag.py``, ``graph_dir.py``; ``typed.py`` fills typed graphs'
   missing features; ``features.py``: where feature rows come from, on any
   node), the one CSC builder (``csc.py``), its checks (``validate.py``) and
-  its place in the object store (``store.py``, ``shards.py``).
+  its place in the object store (``store.py``, ``shards.py``; ``hidden_rows.py``:
+  the shard servers' hold of layer-wise inference's hidden tables).
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
   wire format, ``stream.py`` builds the Ray Data stream in one place.
 - ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it), plus ``embedding.py`` (``--embedding-dim``)
@@ -33,8 +34,9 @@ step  file                        runs on                 output
   ``predict.py``), ``preflight.py`` (storage and cluster checks),
   ``console.py`` (what a run prints), ``failures.py`` (one-line failure text).
 - ``train/layerwise.py``: exact layer-wise inference on the train workers after
-  the last epoch; ``inference/layerwise.py`` runs the same code in one Ray task
-  for ``jobs/predict.py``.
+  the last epoch (``train/hidden.py``: its hidden tables on the shard servers
+  with ``--feature-shards``); ``inference/layerwise.py`` runs the same code in
+  one Ray task for ``jobs/predict.py``.
 - Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
   ``metrics.py`` (Prometheus metrics of workers and sampler actors).
 """

@@ -196,6 +196,9 @@ class TrainConfig(_Options):
     eval: str = option("layerwise", "final accuracies: layerwise (exact, all neighbors, on the train workers "
                        "after the last epoch) or sampled (with --eval-fanouts, on the train workers); per-epoch validation is "
                        "sampled either way", choices=("layerwise", "sampled"))
+    eval_fallback: bool = option(False, "with --eval layerwise: where its hidden tables cannot fit the object stores "
+                                 "that would hold them, evaluate sampled instead (said before training); without it "
+                                 "the run stops before training, saying what each node needs")
     inference_batch_size: int = option(10_000, "nodes per chunk of layer-wise inference", **at_least(1))
     embedding_lr: Optional[float] = option(None, "SparseAdam learning rate of --embedding-dim embeddings "
                                            "(auto: --lr)", **POSITIVE)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import gnnray.pipeline.batch, gnnray.pipeline.prefetch, gnnray.train.step, gnnray.train.model
-from bench.gpu import RELATIONS, synthetic_batch
+from bench.gpu.batches import RELATIONS, synthetic_batch
 from gnnray.pipeline.features import LocalRows
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.train.model import MODELS, build_model

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from gnnray.data.features import FeatureSource, check_finite
+from gnnray.data.hidden_rows import HiddenRowsHeld
 from gnnray.errors import ClusterError, FeatureShardError, GnnrayError, last_line, size_text
 
 # Share of a node's object store the graph may take (as preflight.GRAPH_STORE_FRACTION): the rest holds
@@ -91,12 +92,16 @@ class ShardedFeatures:
         return shard_nbytes(self.num_rows, self.dim, self.dtype, len(self.shards))
 
 
-class ShardServer:
-    """Serves one shard's rows on its node: one :meth:`gather` call per (mini-batch, shard)."""
+class ShardServer(HiddenRowsHeld):
+    """Serves one shard's rows on its node: one :meth:`gather` call per (mini-batch, shard).
+
+    It also holds its range's rows of layer-wise inference's hidden tables (:class:`HiddenRowsHeld`).
+    """
 
     def __init__(self, ref: list):
         import ray
 
+        super().__init__()
         self._rows = ray.get(ref[0])  # local: a zero-copy view on this node's store
 
     def gather(self, local_ids: np.ndarray) -> np.ndarray:
@@ -377,6 +382,13 @@ def _gather_cache(handle: ShardedFeatures, ids: np.ndarray) -> tuple[dict, int]:
 def shard_nbytes(num_rows: int, dim: int, dtype: str, k: int) -> int:
     """Bytes of the largest of ``k`` shards (:func:`shard_bounds`)."""
     return int(np.diff(shard_bounds(num_rows, k)).max()) * dim * np.dtype(dtype).itemsize
+
+
+def hidden_nbytes(num_rows: int, widths: list, k: int) -> int:
+    """Most bytes of layer-wise inference's hidden tables (float32, ``widths`` in layer order) one of ``k``
+    shard servers holds at once: its range's rows of the table a layer reads and of the one it writes."""
+    held = [widths[0]] + [a + b for a, b in zip(widths, widths[1:])] if widths else [0]
+    return int(np.diff(shard_bounds(num_rows, k)).max()) * max(held) * 4
 
 
 def cache_nbytes(num_rows: int, dim: int, dtype: str, fraction: float) -> int:

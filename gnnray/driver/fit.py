@@ -5,6 +5,7 @@ The stages it wires are listed in ``gnnray/__init__.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -84,6 +85,12 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
 
     graph = pub.graph
     use_gpu = launch.resolve_gpu(cfg, pub.local)
+    if model_factory is None:  # a user model's widths (and whether it infers layer-wise) are its own
+        note = preflight.check_layerwise(cfg, graph.num_nodes, graph.nbytes, pub.handle.features, preflight.nodes(),
+                                         use_gpu)
+        if note:
+            console.say(note)
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval="sampled"))
     owners = _embedding_owners(cfg, pub)
     cpu = cpu_policy(cfg, use_gpu)
 

@@ -236,6 +236,67 @@ def check_object_store(graph_bytes: int, cluster: list[Node]) -> None:
                 f"nodes with --feature-shards K")
 
 
+def check_layerwise(cfg: JobConfig, num_nodes: int, graph_bytes: int, features, cluster: list[Node],
+                    use_gpu: bool) -> Optional[str]:
+    """With ``--eval layerwise``: do its hidden tables fit the object stores that would hold them? Checked before
+    training, for the built-in models (``--hidden`` wide, times ``--heads`` for gat and rgat).
+
+    Without ``--feature-shards`` each node with a train worker holds every
+    hidden table whole beside the graph (one worker keeps them in its own
+    memory instead: not checked); with them each shard node holds its range of
+    the two tables a layer reads and writes beside its structure, shard and
+    cache (:mod:`gnnray.train.hidden`).
+
+    Args:
+        graph_bytes: The graph in the store (with shards: the structure alone).
+        features: The feature shards (``ShardedFeatures``), or ``None``.
+
+    Returns:
+        ``None`` where they fit; else, with ``--eval-fallback``, the note that evaluation will be sampled.
+
+    Raises:
+        ClusterError: They do not fit and ``--eval-fallback`` is off; it says what a node needs and what to do.
+    """
+    from gnnray.data.shards import hidden_nbytes
+
+    layers = cfg.sampler.num_layers
+    if cfg.train.eval != "layerwise" or layers < 2 or (features is None and cfg.train.workers_max < 2):
+        return None
+    width = cfg.model.hidden * (cfg.model.heads if cfg.model.name in ("gat", "rgat") else 1)
+    widths = [width] * (layers - 1)
+    table = f"{num_nodes:,} nodes x {width} x 4 B"
+    if features is None:
+        hidden = num_nodes * sum(widths) * 4
+        need = graph_bytes + hidden
+        nodes = [n for n in cluster if _worker_slots(n, cfg.train.cpus_per_worker, use_gpu) >= 1]
+        what = (f"each node with a train worker holds every hidden table whole, {len(widths)} x {table} = "
+                f"{size_text(hidden)}, beside the graph's {size_text(graph_bytes)}")
+        fix = "shard them with --feature-shards K (a shard node then holds 2 x table / K)"
+    else:
+        k = len(features.shards)
+        hidden = hidden_nbytes(num_nodes, widths, k)
+        need = graph_bytes + features.shard_bytes + features.cache_bytes + hidden
+        held = {s.node_id for s in features.shards}
+        nodes = [n for n in cluster if n.node_id in held]
+        what = (f"each feature-shard node holds its range of {min(2, len(widths))} hidden table(s) of {table}, "
+                f"{size_text(hidden)} at K={k}, beside structure {size_text(graph_bytes)} + shard "
+                f"{size_text(features.shard_bytes)} + cache {size_text(features.cache_bytes)}")
+        fix = "raise --feature-shards (2 x table / K per node)"
+    short = [n for n in nodes if need > GRAPH_STORE_FRACTION * n.object_store_bytes]
+    if not short:
+        return None
+    n = min(short, key=lambda n: n.object_store_bytes)
+    text = (f"--eval layerwise needs {size_text(need)} of object store per node ({what}; at most "
+            f"{GRAPH_STORE_FRACTION:.0%} of a store) and node {n.address} ({n.node_id[:8]}) has "
+            f"{size_text(n.object_store_bytes)}")
+    if cfg.train.eval_fallback:
+        return f"note: {text}; the final evaluation will be sampled (--eval-fallback)"
+    raise ClusterError(f"{text}: {fix}, give those nodes stores of at least "
+                       f"{size_text(math.ceil(need / GRAPH_STORE_FRACTION))} (`ray start --object-store-memory "
+                       f"BYTES`), pass --eval sampled, or add --eval-fallback to evaluate sampled where it does "
+                       f"not fit")
+
+
 def _fits(have: float, each: float) -> float:
     return math.floor(have / each + 1e-9)
 

@@ -10,7 +10,8 @@ Layer 0's input is the graph's features (object store) and, with
 ``--embedding-dim``, the trained embedding table, which the task reads from
 the checkpoint's shard files, memory-mapped (:class:`CheckpointRows`: only the
 rows a chunk needs; the driver never holds the table). The hidden layers'
-tables live in the task's memory (``N x width`` float32, two at a time). The
+tables live in the task's memory (``N x width`` float32, two at a time), or
+with ``--feature-shards`` on the shard servers, as on the train workers. The
 task returns every node's prediction and, when asked, the output layer's
 input (the final embedding) through the object store; the driver counts
 nothing itself and writes them to Parquet in row groups.
@@ -170,7 +171,8 @@ def _predict(handle: GraphHandle, model: torch.nn.Module, embedding: list, batch
         inputs.append(CheckpointRows(embedding[0]))
     elif embedding[0] is not None:
         inputs.append(LocalRows(ray.get(embedding[0])))
-    result = infer(model.to(device), graph, inputs, batch_size, device, keep_input=keep_input)
+    result = infer(model.to(device), graph, inputs, batch_size, device, keep_input=keep_input,
+                   shards=handle.features)
     return result.accuracy, result.pred, result.last_input
 
 

@@ -24,10 +24,17 @@ Memory per node: the object store holds each hidden layer's table
 (``N x width`` float32) from its layer to the end of the evaluation: a ref
 passed between processes outside Ray's own calls stays pinned while its
 owner (the rank that put it) lives, and the worker group ends right after.
+
+With ``--feature-shards K`` the tables are sharded instead (``shards=``,
+:mod:`gnnray.train.hidden`): the ranks compute the feature shards' node ranges,
+each chunk goes to its range's shard server, and the next layer fetches the
+rows it needs from the servers: a shard node holds its range of two tables,
+2 x table / K, and no node holds a table whole.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -116,14 +123,15 @@ class Predictions:
     """What :func:`infer` computed on this rank.
 
     Attributes:
-        lo: This rank's first node; its slice is ``[lo, lo + len(pred))``.
-        pred: Predicted class of each node of the slice.
+        ranges: The ``(lo, hi, shard)`` node ranges this rank computed, in order (``shard`` is ``None``
+            without ``--feature-shards``); ``pred`` and ``last_input`` hold their nodes in that order.
+        pred: Predicted class of each node of the ranges.
         correct, total: Per split (train, valid, test), summed over the ranks.
-        last_input: With ``keep_input``, the output layer's input rows of the slice.
+        last_input: With ``keep_input``, the output layer's input rows of the ranges' nodes.
         seconds: Wall time, this rank.
     """
 
-    lo: int
+    ranges: list
     pred: np.ndarray
     correct: np.ndarray
     total: np.ndarray
@@ -137,8 +145,8 @@ class Predictions:
 
 
 def infer(model: torch.nn.Module, graph: Graph, inputs: Sequence[FeatureReader], batch_size: int, device,
-          rank: int = 0, world: int = 1, keep_input: bool = False) -> Predictions:
-    """Predict this rank's slice of the nodes with layer-wise full-neighbor inference; every rank calls it.
+          rank: int = 0, world: int = 1, keep_input: bool = False, shards=None) -> Predictions:
+    """Predict this rank's nodes with layer-wise full-neighbor inference; every rank calls it.
 
     Args:
         model: A model with ``num_layers`` and ``layer(i, layer, h)`` on ``device`` (DDP-wrapped or not).
@@ -148,55 +156,87 @@ def infer(model: torch.nn.Module, graph: Graph, inputs: Sequence[FeatureReader],
         device: Where the layers run.
         rank, world: This rank and the number of ranks (a torch.distributed group when above 1).
         keep_input: Also return the output layer's input rows of the slice (``jobs/predict.py --embeddings``).
+        shards: With ``--feature-shards``, the feature shards (``ShardedFeatures``): their servers then hold
+            the hidden tables, a node range each (:mod:`gnnray.train.hidden`), instead of every node whole.
     """
     start = time.perf_counter()
     net = getattr(model, "module", model)
     training = net.training
     net.eval()
     n = graph.num_nodes
-    lo, hi = rank * n // world, (rank + 1) * n // world
+    tables = None
+    if shards is None:
+        ranges = [(rank * n // world, (rank + 1) * n // world, None)]
+    else:
+        from gnnray.train.hidden import Tables
+
+        tables = Tables(shards, rank, world, device)
+        ranges = tables.ranges
     readers = [r for r in inputs if r.dim > 0]
+    failed = True
     try:
         with torch.no_grad():
             for i in range(net.num_layers):
-                out = _layer(net, i, graph, readers, lo, hi, batch_size, device)
-                if i == net.num_layers - 1:
+                last = i == net.num_layers - 1
+                keep = None if last or tables is None else functools.partial(tables.keep, i)
+                out, width = _layer(net, i, graph, readers, ranges, batch_size, device, keep)
+                if last:
                     break
-                readers = [_share(out, lo, rank, world)]
+                readers = [_share(out, ranges[0][0], rank, world) if tables is None else tables.reader(i, width)]
+        last_input = None
+        if keep_input:
+            ids = np.concatenate([np.arange(lo, hi) for lo, hi, _ in ranges] or [np.zeros(0, dtype=np.int64)])
+            last_input = np.empty((len(ids), sum(r.dim for r in readers)), dtype=np.float32)
+            _gather(readers, ids, last_input)
+        pred = out.argmax(1)
+        correct, total = _counts(graph, pred, ranges, world, device)  # after every rank's last read: a barrier
+        failed = False
     finally:
         net.train(training)
-    pred = out.argmax(1)
-    correct, total = _counts(graph, pred, lo, world, device)
-    last_input = None
-    if keep_input:
-        last_input = np.empty((hi - lo, sum(r.dim for r in readers)), dtype=np.float32)
-        _gather(readers, np.arange(lo, hi), last_input)
-    return Predictions(lo, pred, correct, total, last_input, time.perf_counter() - start)
+        if tables is not None:
+            tables.close(failed)
+    return Predictions(ranges, pred, correct, total, last_input, time.perf_counter() - start)
 
 
-def _layer(net, i: int, graph: Graph, readers: list, lo: int, hi: int, batch_size: int, device) -> np.ndarray:
-    """Layer ``i``'s output for nodes ``[lo, hi)``, chunk by chunk."""
-    out = None
-    width = sum(r.dim for r in readers)
-    for a in range(lo, max(hi, lo + 1), batch_size):  # an empty slice runs one empty chunk: the output's width
-        b = min(a + batch_size, hi)
-        block, src = full_block(graph, a, b) if b > a else (Layer(torch.zeros(1, dtype=torch.int64),
-                                                                   torch.zeros(0, dtype=torch.int64), 0), None)
-        whole = None
-        if b > a and src is None and len(readers) == 1 and isinstance(readers[0], SliceRows):
-            whole = readers[0].whole()
-        if whole is not None:  # a chunk that is the whole graph reads the whole table in place
-            x = torch.from_numpy(whole)
-        else:
-            x = torch.from_numpy(np.empty((block.num_src, width), dtype=np.float32))
-            _gather(readers, np.arange(a, a + block.num_src) if src is None else src, x.numpy())
-        block = Layer(block.indptr.to(device), block.indices.to(device), block.num_src,
-                      None if block.etype is None else block.etype.to(device))
-        h = net.layer(i, block, x.to(device))
+def _layer(net, i: int, graph: Graph, readers: list, ranges: list, batch_size: int, device,
+           keep=None) -> tuple[Optional[np.ndarray], int]:
+    """Layer ``i``'s output for the nodes of ``ranges``, chunk by chunk, and its width.
+
+    The output is returned in range order or, with ``keep``, each chunk handed to ``keep(shard, lo, rows)``
+    as soon as it is computed (``None`` returned).
+    """
+    total = sum(hi - lo for lo, hi, _ in ranges)
+    chunks = [(a, min(a + batch_size, hi), k) for lo, hi, k in ranges for a in range(lo, hi, batch_size)]
+    out, width, at = None, 0, 0
+    for a, b, k in chunks or [(0, 0, None)]:  # no nodes: one empty chunk, for the output's width
+        h = _chunk(net, i, graph, readers, a, b, device)
+        width = h.shape[1]
+        if keep is not None:
+            if b > a:
+                keep(k, a, h)
+            continue
         if out is None:
-            out = np.empty((hi - lo, h.shape[1]), dtype=np.float32)
-        out[a - lo:b - lo] = h[:b - a].float().cpu().numpy()
-    return out
+            out = np.empty((total, width), dtype=np.float32)
+        out[at:at + b - a] = h
+        at += b - a
+    return out, width
+
+
+def _chunk(net, i: int, graph: Graph, readers: list, a: int, b: int, device) -> np.ndarray:
+    """Layer ``i``'s output for nodes ``[a, b)``: their full-neighbor block, input rows gathered from ``readers``."""
+    block, src = full_block(graph, a, b) if b > a else (Layer(torch.zeros(1, dtype=torch.int64),
+                                                               torch.zeros(0, dtype=torch.int64), 0), None)
+    whole = None
+    if b > a and src is None and len(readers) == 1 and isinstance(readers[0], SliceRows):
+        whole = readers[0].whole()
+    if whole is not None:  # a chunk that is the whole graph reads the whole table in place
+        x = torch.from_numpy(whole)
+    else:
+        x = torch.from_numpy(np.empty((block.num_src, sum(r.dim for r in readers)), dtype=np.float32))
+        _gather(readers, np.arange(a, a + block.num_src) if src is None else src, x.numpy())
+    block = Layer(block.indptr.to(device), block.indices.to(device), block.num_src,
+                  None if block.etype is None else block.etype.to(device))
+    return net.layer(i, block, x.to(device))[:b - a].float().cpu().numpy()
 
 
 def _gather(readers: list, ids: np.ndarray, out: np.ndarray) -> None:
@@ -228,15 +268,16 @@ def _share(out: np.ndarray, lo: int, rank: int, world: int) -> SliceRows:
     return SliceRows([(first, ray.get(r)) for first, r in map(ray.cloudpickle.loads, refs)])
 
 
-def _counts(graph: Graph, pred: np.ndarray, lo: int, world: int, device) -> tuple[np.ndarray, np.ndarray]:
-    """Correct predictions and nodes per split in the slice, summed over the ranks (the last all-reduce)."""
-    hi = lo + len(pred)
+def _counts(graph: Graph, pred: np.ndarray, ranges: list, world: int, device) -> tuple[np.ndarray, np.ndarray]:
+    """Correct predictions and nodes per split in the ranges, summed over the ranks (the last all-reduce)."""
     counts = np.zeros((2, len(_SPLITS)), dtype=np.int64)
+    at = np.cumsum([0] + [hi - lo for lo, hi, _ in ranges])
     for k, name in enumerate(_SPLITS):
         ids = graph.split(name)
-        ids = ids[(ids >= lo) & (ids < hi)]
-        counts[:, k] = int(np.sum(pred[ids - lo] == graph.label[ids])), len(ids)
-    if world > 1:  # also the barrier before any rank drops its slices (owners must outlive the readers)
+        for (lo, hi, _), first in zip(ranges, at):
+            mine = ids[(ids >= lo) & (ids < hi)]
+            counts[:, k] += int(np.sum(pred[first + mine - lo] == graph.label[mine])), len(mine)
+    if world > 1:  # also the barrier before any rank drops its slices or tables (owners must outlive the readers)
         import torch.distributed as dist
 
         total = torch.from_numpy(counts).to(device)

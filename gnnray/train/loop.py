@@ -205,7 +205,8 @@ def final_layerwise(model, graph, setup: WorkerSetup, embedding, device, rank: i
     inputs = [reader_for(graph, setup.graph.features)]
     if embedding is not None:
         inputs.append(EmbeddingRows(embedding))
-    result = infer(model, graph, inputs, setup.cfg.train.inference_batch_size, device, rank, world)
+    result = infer(model, graph, inputs, setup.cfg.train.inference_batch_size, device, rank, world,
+                   shards=setup.graph.features)
     acc = result.accuracy
     return {"eval": "layerwise", "val_acc_layerwise": acc["valid"], "test_acc": acc["test"],
             "test_acc_sampled": sampled_test_acc, "inference_s": result.seconds}

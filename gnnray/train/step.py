@@ -1,7 +1,7 @@
 """Stage 7's step (train worker): one epoch of optimizer steps over prepared mini-batches.
 
 Plain torch: no Ray and no DGL, so the step runs and is tested on any machine
-with torch (``bench/gpu.py`` runs it on a bare GPU machine).
+with torch (``python -m bench.gpu`` runs it on a bare GPU machine).
 
 Nothing in a step reads a value back to the host: the epoch's sums (loss
 weighted by seeds, correct predictions, seeds) accumulate in one tensor on the

@@ -1,7 +1,8 @@
 """The real job with ``--feature-shards`` on three simulated nodes (80 MiB object stores each).
 
 Shown: a feature table larger than those nodes' stores trains with K=3 and
-stops with the clear store error at K=1; K=1 and K=3 train on the same
+stops with the clear store error at K=1; layer-wise inference's hidden tables
+too large for the stores stop the run before training (or evaluate sampled); K=1 and K=3 train on the same
 features (same first-epoch loss); remote bytes per batch are counted
 (metrics.jsonl and Prometheus) and drop as the cache grows; shards stay on
 their nodes; losing a shard's node fails naming it, or recovers with
@@ -122,6 +123,22 @@ def test_typed_graph_trains_on_sharded_features(shard_nodes, tmp_path):
     sharded, _ = _run(args + ["--feature-shards", "3"], tmp_path)
     assert sharded.metrics["loss"] == pytest.approx(replicated.metrics["loss"], rel=1e-6)
     assert sharded.metrics["remote_bytes_per_batch"] > 0
+
+
+def test_layerwise_tables_larger_than_the_stores_are_refused_before_training(shard_nodes, tmp_path, capsys):
+    """Layer-wise inference's hidden tables, each shard node's range of two (2 x 240,000 x 128 x 4 B / 3 =
+    78 MiB), cannot fit the 80 MiB stores: refused before training in one line, or, with --eval-fallback,
+    said and evaluated sampled."""
+    args = ["--dataset", "synthetic", "--synthetic-nodes", "240000", "--synthetic-feat-dim", "4",
+            "--synthetic-avg-degree", "4", "--fanouts", "1,1,1", "--batch-size", "8192", "--hidden", "128",
+            "--num-workers", "1", "--sampler-actors", "1", "--epochs", "1", "--feature-shards", "3"]
+    with pytest.raises(ClusterError, match="--eval layerwise needs") as e:
+        _run(args, tmp_path)
+    assert "\n" not in str(e.value) and "--eval-fallback" in str(e.value) and "78.1 MiB at K=3" in str(e.value)
+    assert not list(tmp_path.glob("*/metrics.jsonl"))  # nothing trained
+    summary, _ = _run(args + ["--eval-fallback"], tmp_path)
+    assert "note: --eval layerwise needs" in capsys.readouterr().out
+    assert "eval" not in summary.metrics and "test_acc_sampled" not in summary.metrics  # sampled: no layer-wise
 
 
 # Last: each removes one of the module's shard nodes.

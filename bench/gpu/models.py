@@ -1,0 +1,73 @@
+"""``model NAME``: each built-in model's forward and backward on the device against the CPU; host syncs per step."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import torch
+
+from bench.gpu.batches import REL_TOL, RELATIONS, build, median_s, synthetic_batch
+
+
+def model_row(name: str, dev: torch.device, z: dict) -> dict:
+    """``name``'s forward and backward on ``dev`` against the CPU (same weights, same batch), and step times."""
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(1)
+    mb = synthetic_batch(rng, z["batch"], z["fanouts"], z["classes"], RELATIONS if name.startswith("r") else 1)
+    mb.x = torch.from_numpy(rng.standard_normal((mb.input_nodes.shape[0], z["in_feats"]), dtype=np.float32))
+    torch.manual_seed(0)
+    on_cpu = build(name, z)
+    on_dev = copy.deepcopy(on_cpu).to(dev)
+    mb_dev = mb.to(dev)
+
+    def step(model, b):
+        model.zero_grad(set_to_none=True)
+        out = model(b.layers, b.x)
+        F.cross_entropy(out, b.labels).backward()
+        return out
+
+    out_cpu, out_dev = step(on_cpu, mb), step(on_dev, mb_dev).cpu()
+    scale = float(out_cpu.detach().abs().max()) or 1.0
+    out_diff = float((out_cpu - out_dev).detach().abs().max())
+    grad_diff, grad_scale = 0.0, 0.0
+    for (pname, p), q in zip(on_cpu.named_parameters(), on_dev.parameters()):
+        if p.grad is None or q.grad is None:
+            if (p.grad is None) != (q.grad is None):
+                raise AssertionError(f"{pname}: a gradient on one device only")
+            continue
+        grad_diff = max(grad_diff, float((p.grad - q.grad.cpu()).abs().max()))
+        grad_scale = max(grad_scale, float(p.grad.abs().max()))
+    row = dict(out_max_abs_diff=out_diff, out_rel_diff=out_diff / scale, grad_max_abs_diff=grad_diff,
+               grad_rel_diff=grad_diff / (grad_scale or 1.0),
+               cpu_step_s=median_s(lambda: step(on_cpu, mb), torch.device("cpu"), z["reps"]),
+               device_step_s=median_s(lambda: step(on_dev, mb_dev), dev, z["reps"]))
+    row["met"] = row["out_rel_diff"] <= REL_TOL and row["grad_rel_diff"] <= REL_TOL
+    if dev.type == "cuda":
+        row["host_syncs_per_step"] = _syncs_per_step(on_dev, mb_dev, z)
+    return row
+
+
+def _syncs_per_step(model, mb, z: dict) -> float:
+    """Host syncs per ``train_epoch`` step (model, loss, Adam, metrics), by torch's sync debug mode: the
+    difference between epochs of ``2k`` and ``k`` steps, so the epoch's own read-back at its end cancels out."""
+    from gnnray.train.step import train_epoch
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    dev = mb.x.device
+
+    def count(steps: int) -> int:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train_epoch(model, optimizer, iter([mb] * steps), steps, z["classes"], dev)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in seen)
+
+    k = 4
+    count(k)  # warm-up: the allocator's first blocks, Adam's state
+    return (count(2 * k) - count(k)) / k

@@ -1,0 +1,264 @@
+"""8. Layer-wise inference's hidden tables: each node's store peak, sharded (K = 3) against unsharded (K = 1).
+
+Run alone with ``python -m bench.sharding.layerwise [--quick] [--json PATH]`` (its own simulated cluster), or as
+part of ``python -m bench --sharding``.
+
+The section's graph, ``feat_dim`` random features, and GraphSAGE
+``infer_layers`` x ``infer_hidden`` with random weights (the predictions of the
+runs are compared, not judged), on two simulated clusters of a head and 3
+nodes: stores of ``store_mib`` (room for K = 1's whole tables) and of
+``infer_store_mib`` (room for K = 3's ranges, not for whole tables). On each,
+three ranks, one pinned on each of the 3 nodes, form a gloo group and call
+``train.layerwise.infer`` as train workers do after the last epoch,
+``infer_chunk`` nodes per chunk:
+
+- K = 3: the ranks sit beside their shards; the shard servers hold the hidden
+  tables, a node range each (``gnnray.train.hidden``);
+- K = 1: the same ranks on the same nodes; each rank puts its slice of a table
+  in its store and reads the others' through it, so every node holds every
+  table whole.
+
+Once the ranks have attached the graph (structure, cache or table pulled to
+their nodes), a thread reads every node's store stats from its raylet every
+``poll_s`` until the ranks return; each figure is the largest reading less the
+one before the run: the primary copies (what the store must keep: the tables,
+and rows on their way), all objects (also the rows freed in the last second:
+the raylet deletes freed objects in batches, and evicts them sooner when it
+needs room), and the bytes spilled to disk or allocated outside the store.
+Beside them, for K = 3, each server's own count of the hidden rows it held at
+most, and the formulas: its range of two tables, 2 x table / K
+(``data.shards.hidden_nbytes``), against (layers - 1) x table for K = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import socket
+import threading
+import time
+
+import numpy as np
+
+from bench.common import Row
+from bench.sharding.cluster import SimulatedCluster, publish
+from bench.sharding.settings import FIGURE, MIB, ShardSettings
+
+# What each node's raylet says of its store: every object there (freed ones not yet deleted included), the
+# primary copies it must keep, and what did not fit.
+USED, PRIMARY = "object_store_bytes_used", "object_store_bytes_primary_copy"
+SPILLED, FALLBACK = "spilled_bytes_total", "object_store_bytes_fallback"  # to disk; allocated outside the store
+FIELDS = (USED, PRIMARY, SPILLED, FALLBACK)
+
+
+class Rank:
+    """One rank of a gloo group, pinned to a node: attaches the graph, then runs layer-wise inference."""
+
+    def __init__(self, handle, rank: int, world: int, port: int):
+        import torch
+        import torch.distributed as dist
+
+        from gnnray.pipeline.features import reader_for
+
+        torch.set_num_threads(1)  # three ranks and their servers on this machine's cores
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        self._handle, self._rank, self._world = handle, rank, world
+        self._graph = handle.get()
+        self._reader = reader_for(self._graph, handle.features)
+
+    def ready(self) -> bool:
+        return True
+
+    def infer(self, model, chunk: int) -> tuple:
+        from gnnray.train.layerwise import infer
+
+        r = infer(model, self._graph, [self._reader], chunk, "cpu", self._rank, self._world,
+                  shards=self._handle.features)
+        return r.ranges, r.pred, r.seconds
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(cl: SimulatedCluster, handle, model, nodes: list, num_nodes: int, chunk: int, poll_s: float) -> dict:
+    """Inference by one rank per node of ``nodes``: the predictions, and each node's store figures over the run
+    (the largest reading of each field less the one before)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    port = _free_port()
+    ranks = [ray.remote(Rank).options(num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        n, soft=False)).remote(handle, r, len(nodes), port) for r, n in enumerate(nodes)]
+    try:
+        ray.get([r.ready.remote() for r in ranks])
+        before = cl.store_stats(*FIELDS)
+        peak, stop = {n: dict(v) for n, v in before.items()}, threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(poll_s):
+                for n, stats in cl.store_stats(*FIELDS).items():
+                    for f, v in stats.items():
+                        peak.setdefault(n, {})[f] = max(peak.get(n, {}).get(f, 0), v)
+
+        watcher = threading.Thread(target=poll, daemon=True)
+        watcher.start()
+        start = time.perf_counter()
+        results = ray.get([r.infer.remote(model, chunk) for r in ranks])
+        wall_s = time.perf_counter() - start
+        stop.set()
+        watcher.join()
+    finally:
+        for r in ranks:
+            ray.kill(r)
+    pred = np.full(num_nodes, -1)
+    for ranges, p, _ in results:
+        at = 0
+        for lo, hi, _ in ranges:
+            pred[lo:hi] = p[at:at + hi - lo]
+            at += hi - lo
+    grew = {f: {cl.name(n): (peak[n][f] - before.get(n, {}).get(f, 0)) / MIB for n in nodes} for f in FIELDS}
+    return dict(pred=pred, wall_s=wall_s, rank_s=[s for _, _, s in results], mib=grew,
+                before_mib={cl.name(n): before.get(n, {}).get(FIELDS[0], 0) / MIB for n in nodes})
+
+
+def remote_rows(graph, lo: int, hi: int, chunk: int) -> int:
+    """Rows of a hidden table that the chunks of nodes ``[lo, hi)`` read from outside that range: what the ranks
+    of a shard node fetch from the other servers per layer (a row is fetched again by each chunk that reads it)."""
+    from gnnray.train.layerwise import full_block
+
+    total = 0
+    for a in range(lo, hi, chunk):
+        _, src = full_block(graph, a, min(a + chunk, hi))
+        total += int(np.count_nonzero((src < lo) | (src >= hi)))
+    return total
+
+
+def on_cluster(ss: ShardSettings, data, store_mib: int, verbose: bool) -> dict:
+    """K = 3 then K = 1 on a new simulated cluster whose nodes have ``store_mib`` stores: the same ranks on the same
+    nodes (the shard nodes, in shard order), the same weights."""
+    import ray
+    import torch
+
+    from gnnray.train.model import build_model
+
+    k, runs = max(ss.shards), {}
+    cl = SimulatedCluster(dataclasses.replace(ss, store_mib=store_mib), verbose)
+    try:
+        for shards in (k, 1):
+            pub, _ = publish(data, shards, ss.cache, ss.seed)
+            graph, handle = pub.graph, pub.handle
+            torch.manual_seed(ss.seed)
+            model = build_model(ss.feat_dim, graph.num_classes, ss.infer_layers, ss.infer_hidden, 0.0).eval()
+            nodes = [s.node_id for s in handle.features.shards] if shards > 1 else runs[k]["nodes"]
+            run = run_ranks(cl, handle, model, nodes, graph.num_nodes, ss.infer_chunk, ss.poll_s)
+            run["nodes"] = nodes
+            if shards > 1:
+                run["server_peak_mib"] = {cl.name(s.node_id): ray.get(s.server.hidden_bytes.remote())["peak"] / MIB
+                                          for s in handle.features.shards}
+                run["fetched_mib_per_layer"] = {cl.name(s.node_id): remote_rows(graph, s.lo, s.hi, ss.infer_chunk)
+                                                * ss.infer_hidden * 4 / MIB for s in handle.features.shards}
+            runs[shards] = run
+            m = run["mib"]
+            print(f"  layer-wise, {store_mib} MiB stores, K={shards}, per node: store peak primary copies / all "
+                  f"objects, spilled, fallback: " + ", ".join(
+                      f"{n} +{m[PRIMARY][n]:.1f} / +{m[USED][n]:.1f}, {m[SPILLED][n]:.1f}, {m[FALLBACK][n]:.1f} MiB"
+                      for n in m[USED]) + f"; {run['wall_s']:.1f} s", flush=True)
+            del pub, graph, handle
+            gc.collect()
+    finally:
+        cl.close()
+    return runs
+
+
+def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]:
+    """K = 3 against K = 1 on nodes with stores of ``store_mib`` (room for K = 1's whole tables) and of
+    ``infer_store_mib`` (room for K = 3's ranges only); rows: store peaks, spills, the servers' counts, predictions."""
+    from gnnray.data.shards import hidden_nbytes
+
+    k = max(ss.shards)
+    widths = [ss.infer_hidden] * (ss.infer_layers - 1)
+    roomy = on_cluster(ss, data, ss.store_mib, verbose)
+    tight = on_cluster(ss, data, ss.infer_store_mib, verbose)
+    n = roomy[k]["pred"].shape[0]
+    table = n * ss.infer_hidden * 4 / MIB
+    formula = {k: hidden_nbytes(n, widths, k) / MIB, 1: len(widths) * table}
+    agree = {store: float(np.mean(runs[k]["pred"] == runs[1]["pred"]))
+             for store, runs in ((ss.store_mib, roomy), (ss.infer_store_mib, tight))}
+    out["layerwise"] = dict(nodes=n, layers=ss.infer_layers, hidden=ss.infer_hidden, chunk=ss.infer_chunk,
+                            table_mib=table, formula_mib=formula, pred_agree=agree, runs={
+                                store: {shards: {key: v for key, v in r.items() if key != "pred"}
+                                        for shards, r in runs.items()}
+                                for store, runs in ((ss.store_mib, roomy), (ss.infer_store_mib, tight))})
+
+    def most(runs: dict, shards: int, field: str) -> float:
+        return max(runs[shards]["mib"][field].values())
+
+    def lost(runs: dict, shards: int) -> float:  # spilled to disk or allocated outside the store, worst node
+        return max(a + b for a, b in zip(runs[shards]["mib"][SPILLED].values(),
+                                         runs[shards]["mib"][FALLBACK].values()))
+
+    server = max(roomy[k]["server_peak_mib"].values())
+    fetched = max(roomy[k]["fetched_mib_per_layer"].values())
+    tables = f"{ss.infer_layers} layers x {ss.infer_hidden}, table {table:.1f} MiB"
+    p, u = most(roomy, k, PRIMARY), {shards: most(roomy, shards, USED) for shards in (k, 1)}
+    return [
+        Row(f"{FIGURE}: layer-wise, K={k}: store peak per node, primary copies (max of 3; {tables}; "
+            f"{ss.store_mib} MiB stores)", ours=f"+{p:.1f} MiB", baseline=f"2 x table / K = {formula[k]:.1f} MiB",
+            ratio=f"{p / formula[k]:.2f}x", target="formula + rows in flight", met="-", detail=out["layerwise"]),
+        Row(f"{FIGURE}: layer-wise store peak per node, all objects (freed ones not yet deleted too), K={k} vs K=1",
+            ours=f"+{u[k]:.1f} MiB", baseline=f"+{u[1]:.1f} MiB (tables whole: {formula[1]:.1f})",
+            ratio=f"{u[k] / u[1]:.2f}x", target="-", met="-"),
+        Row(f"{FIGURE}: layer-wise on {ss.infer_store_mib} MiB stores: MiB spilled or outside the store (worst "
+            f"node), K={k} vs K=1", ours=f"{lost(tight, k):.1f} (all objects +{most(tight, k, USED):.1f})",
+            baseline=f"{lost(tight, 1):.1f}", ratio="-", target=f"K={k}: 0",
+            met="yes" if lost(tight, k) == 0 else "NO"),
+        Row(f"{FIGURE}: layer-wise, K={k}: hidden rows fetched from other nodes per layer per node (max of {k}; "
+            f"chunks of {ss.infer_chunk})", ours=f"{fetched:.1f} MiB", baseline=f"{(k - 1) / k * table:.1f} MiB "
+            f"(K=1: the other nodes' slices, once)", ratio=f"{fetched / ((k - 1) / k * table):.2f}x", target="-",
+            met="-", detail=roomy[k]["fetched_mib_per_layer"]),
+        Row(f"{FIGURE}: hidden rows a shard server held at most (max of {k}), against 2 x table / K",
+            ours=f"{server:.2f} MiB", baseline=f"{formula[k]:.2f} MiB", ratio=f"{server / formula[k]:.2f}x",
+            target="<= 1.00x", met="yes" if server <= formula[k] + 1e-9 else "NO",
+            detail=roomy[k]["server_peak_mib"]),
+        Row(f"{FIGURE}: layer-wise predictions, K={k} equal to K=1 (both clusters)",
+            ours=" / ".join(f"{a:.2%}" for a in agree.values()), baseline="100%", ratio="-", target="100%",
+            met="yes" if all(a == 1.0 for a in agree.values()) else "NO"),
+        Row(f"{FIGURE}: layer-wise wall s, K={k} vs K=1, {ss.store_mib} MiB stores (contended: all on this "
+            f"machine's cores)", ours=f"{roomy[k]['wall_s']:.1f}", baseline=f"{roomy[1]['wall_s']:.1f}",
+            ratio=f"{roomy[k]['wall_s'] / roomy[1]['wall_s']:.2f}x", target="-", met="-"),
+    ]
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from bench.common import format_table
+    from bench.sharding.cluster import graph_dir
+    from bench.sharding.settings import settings
+
+    p = argparse.ArgumentParser(prog="python -m bench.sharding.layerwise", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the section's --quick settings")
+    p.add_argument("--json", default="", help="where to write the figures")
+    p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
+    args = p.parse_args(argv)
+    ss, out = settings(args.quick), {}
+    with tempfile.TemporaryDirectory() as tmp:
+        data, info = graph_dir(ss, Path(tmp))
+        print(f"graph: {info['nodes']:,} nodes, {info['edges']:,} edges, {ss.feat_dim} float32 features; a head and "
+              f"{ss.worker_nodes} nodes", flush=True)
+        rows = bench_layerwise(ss, data, args.verbose, out)
+    print(format_table(rows), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(graph=info, settings=dataclasses.asdict(ss), **out), indent=1,
+                                              default=str))
+    return 0 if all(r.met != "NO" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""What a shard server holds for layer-wise inference: its node range's rows of the hidden tables.
+
+The ranks' side is :mod:`gnnray.train.hidden`: each chunk of a table a rank
+computes is kept here, in this node's store, rows of it are served to the next
+layer's chunks, and the table is dropped once the layer after it is done.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import numpy as np
+
+
+class HiddenRowsHeld:
+    """Base of :class:`gnnray.data.shards.ShardServer`: the hidden rows of one evaluation at a time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # calls run on up to max_concurrency threads
+        self._token, self._tables, self._held, self._peak = None, {}, 0, 0
+
+    def keep(self, token: str, layer: int, lo: int, rows: np.ndarray) -> int:
+        """Hold ``rows`` (node ids ``lo..``) of hidden table ``layer`` of evaluation ``token`` in this node's store.
+
+        One evaluation at a time: a new ``token`` drops the tables of the last
+        (one that failed before :meth:`drop` leaves nothing behind for long).
+        """
+        import ray
+
+        ref = ray.put(rows)  # a copy owned here: the argument is the caller's object, freed after the call
+        rows = ray.get(ref)  # zero-copy view on that copy
+        with self._lock:
+            if token != self._token:
+                self._token, self._tables, self._held, self._peak = token, {}, 0, 0
+            self._tables.setdefault(layer, _Table()).add(lo, ref, rows)
+            self._held += rows.nbytes
+            self._peak = max(self._peak, self._held)
+        return rows.shape[0]
+
+    def hidden(self, token: str, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` (global node ids) of hidden table ``layer``, as float32."""
+        table = self._tables.get(layer) if token == self._token else None
+        if table is None:
+            raise KeyError(f"hidden table {layer} of evaluation {token[:8]} is not held here (dropped, or never "
+                           f"kept: a bug)")
+        return table.take(np.asarray(ids, dtype=np.int64))
+
+    def drop(self, token: str, layer: Optional[int] = None) -> None:
+        """Free hidden table ``layer`` of ``token`` (all of its tables without ``layer``)."""
+        with self._lock:
+            if token != self._token:
+                return
+            for t in [layer] if layer is not None else list(self._tables):
+                table = self._tables.pop(t, None)
+                self._held -= table.nbytes if table is not None else 0
+
+    def hidden_bytes(self) -> dict:
+        """Bytes of hidden rows held now and at most at once since the evaluation began (its store objects)."""
+        return dict(held=self._held, peak=self._peak)
+
+
+class _Table:
+    """A hidden table's rows on one server: chunks ``(first node id, rows)``, in any order until read."""
+
+    def __init__(self):
+        self._chunks, self._index, self.nbytes = [], None, 0
+
+    def add(self, lo: int, ref, rows: np.ndarray) -> None:
+        self._chunks.append((int(lo), ref, rows))
+        self.nbytes += rows.nbytes
+
+    def take(self, ids: np.ndarray) -> np.ndarray:
+        if self._index is None:  # read only once complete (the ranks wait for each other between layers)
+            chunks = sorted(self._chunks, key=lambda c: c[0])
+            self._index = (np.array([c[0] for c in chunks], dtype=np.int64), [c[2] for c in chunks])
+        starts, parts = self._index
+        out = np.empty((len(ids), parts[0].shape[1] if parts else 0), dtype=np.float32)
+        part = np.searchsorted(starts, ids, side="right") - 1
+        order = np.argsort(part, kind="stable")
+        bounds = np.searchsorted(part[order], np.arange(len(parts) + 1))
+        for k in np.flatnonzero(np.diff(bounds)):  # only the chunks asked for, one fancy index each
+            p = order[bounds[k]:bounds[k + 1]]
+            out[p] = parts[k][ids[p] - starts[k]]
+        return out
