@@ -369,6 +369,7 @@ def ddp_row(dev: torch.device, z: dict) -> dict:
 
 def run(smoke: bool) -> dict:
     """Every row (a failed one carries its error), with the machine and the sizes."""
+    from bench import gpu_syncs
     from gnnray.train.model import MODELS
 
     cuda = torch.cuda.is_available()
@@ -383,6 +384,7 @@ def run(smoke: bool) -> dict:
         jobs.append((f"prefetch {np.dtype(dtype).name}", lambda dtype=dtype: _median_run([prefetch_overlap(
             str(dev), z["prefetch_batches"], z["prefetch_inputs"], z["in_feats"], dtype) for _ in range(3)])))
     jobs.append(("ddp step", lambda: ddp_row(dev, z)))
+    jobs += gpu_syncs.jobs(dev, z)  # host syncs of the embedding's and rgat's collectives
     rows = {}
     for name, fn in jobs:
         try:
@@ -410,6 +412,10 @@ def table(result: dict) -> str:
         elif name.startswith("layerwise"):
             text = (f"{r['nodes']:,} nodes: hidden rel diff {r['hidden_rel_diff']:.1e}, predictions agree "
                     f"{100 * r['pred_agree']:.2f}%; {r['device_s']:.2f} s on {result['device']} vs {r['cpu_s']:.2f} s on cpu")
+        elif name.startswith("syncs"):
+            from bench.gpu_syncs import text as syncs_text
+
+            text = syncs_text(name, r, result["device"])
         elif name.startswith("prefetch"):
             text = (f"{1000 * r['prefetch_s']:.2f} ms/batch with the Prefetcher vs max(copy {1000 * r['copy_s']:.2f}, "
                     f"compute {1000 * r['compute_s']:.2f}) = {r['prefetch_over_bound']:.2f}x; serial "

@@ -82,6 +82,23 @@ def test_sparse_updates_stay_identical_across_ranks_and_match_dgl(tmp_path):
     assert not np.allclose(rank0[touched], initial[touched])
 
 
+def test_two_ranks_reduce_as_one_process_that_saw_both_lookups(tmp_path):
+    """Without DGL: two gloo ranks (ids exchanged, the union's rows all-reduced) end with the table one process
+    makes from each step's lookups of both ranks together, a row looked up twice counted twice in its mean."""
+    run_gloo_ranks(_rank_main, tmp_path, timeout=180)
+    rank0, rank1 = np.load(tmp_path / "rank0.npy"), np.load(tmp_path / "rank1.npy")
+    np.testing.assert_array_equal(rank0, rank1)
+    one = NodeEmbedding(N, DIM, LR, seed=5)
+    for step in range(2):
+        ids = LOOKUPS[0][step] + LOOKUPS[1][step]
+        rows = one(torch.tensor(ids))
+        k = len(LOOKUPS[0][step])
+        (rows[:k].pow(2).sum() + (rows[k:] * 2.0).pow(2).sum()).backward()  # each rank's loss on its rows
+        one.step()
+    np.testing.assert_allclose(rank0, one.store.weight.numpy(), rtol=0, atol=1e-6)
+    assert not np.allclose(rank0, init_rows(5, 0, N, DIM))
+
+
 def test_rows_first_touched_late_move_by_about_lr():
     """Per-row step counts (DGL's): a row's first update moves each coordinate by about lr, whatever the step.
 
