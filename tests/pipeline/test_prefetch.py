@@ -172,6 +172,17 @@ def test_buffer_reuse_keeps_current_batch_intact(feat):
     close_or_fail(p)
 
 
+def test_the_thread_lets_go_of_its_buffers_after_the_last_row(feat):
+    """After the last row the prefetcher holds no host buffers (evaluation after the last epoch allocates its
+    own); a test that inspects them keeps its own references first (the CUDA tests below do)."""
+    rows = [make_packed(i, 4) for i in range(3)]
+    p = Prefetcher(rows, feat, "cpu", depth=2)
+    slots = list(p._slots)
+    assert len(list(p)) == 3
+    assert p._slots == [] and any(s._feat.numel() > 0 for s in slots)
+    close_or_fail(p)
+
+
 def test_read_only_features_are_fine(feat):
     ro = feat.copy()
     ro.flags.writeable = False
@@ -197,6 +208,7 @@ NO_GPU = "needs a CUDA GPU; this machine has none (CPU only)"
 def test_cuda_delivery(feat):
     rows = [make_packed(i, 1 + (i * 5) % 23, num_extra=i % 4) for i in range(16)]
     p = Prefetcher(rows, feat, "cuda", depth=2)
+    slots = list(p._slots)  # the thread lets go of them after the last row
     n = 0
     for i, mb in enumerate(p):
         for t in (mb.seeds, mb.labels, mb.input_nodes, mb.x, *[t for l in mb.layers for t in (l.indptr, l.indices)]):
@@ -206,7 +218,7 @@ def test_cuda_delivery(feat):
         check(mb, rows[i], feat)
         n += 1
     assert n == len(rows)
-    used = [s for s in p._slots if s._feat.numel() > 0]
+    used = [s for s in slots if s._feat.numel() > 0]
     assert used
     for slot in used:
         assert slot._feat.is_pinned()
@@ -310,10 +322,11 @@ def test_cuda_float16_crosses_as_float16_and_labels_as_packed(feat):
     half = feat.astype(np.float16)
     rows = [MiniBatch.unpack(torch.from_numpy(make_packed(i, 5))).to("cpu").pack(np.int32) for i in range(6)]
     with Prefetcher(rows, half, "cuda", depth=2) as p:
+        slots = list(p._slots)  # the thread lets go of them after the last row
         for i, mb in enumerate(p):
             assert mb.x.is_cuda and mb.x.dtype == torch.float32 and mb.labels.dtype == torch.int64
             check(mb, rows[i], half.astype(np.float32))
-        used = [s for s in p._slots if s._feat.numel() > 0]
+        used = [s for s in slots if s._feat.numel() > 0]
         assert used and all(s._feat.dtype == torch.float16 and s._feat.is_pinned() for s in used)
         assert all(s._ids.dtype == torch.int32 and s._ids.is_pinned() for s in used)
 
