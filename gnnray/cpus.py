@@ -59,13 +59,14 @@ docs/performance.md has each part measured on and off.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 # Environment of every process of the job (train workers, sampler actors, Ray Data's and Ray Train's actors).
@@ -328,15 +329,11 @@ def _open_lock(name: str) -> int:
     directory = lease_dir()
     if not os.path.isdir(directory):
         os.makedirs(directory, exist_ok=True)
-        try:
-            os.chmod(directory, 0o1777)  # shared by every user's runs, as /tmp is
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # shared by every user's runs, as /tmp is
+            os.chmod(directory, 0o1777)
     fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o666)
-    try:
+    with contextlib.suppress(OSError):  # fails on another user's file: theirs to set
         os.fchmod(fd, 0o666)
-    except OSError:  # another user's file: it is theirs to set
-        pass
     return fd
 
 
@@ -348,13 +345,18 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
-def register_run() -> str:
+def register_run() -> Optional[str]:
     """Register this process as a local run on the host until it exits; its name, also in ``$GNNRAY_HOST_RUN``
-    for the processes of its cluster. Called by the driver before its local cluster starts."""
+    for the processes of its cluster (``None`` if the lease directory cannot be used: the run then plans alone).
+    Called by the driver before its local cluster starts."""
     if not _registered:
         name = f"run-{time.time_ns()}-{os.getpid()}"
-        fd = _open_lock(name)
-        _try_lock(fd)  # a fresh, unique file: nobody else holds it
+        try:  # locked before it gets its name: runs_on_host would take an unlocked run file for an ended run's
+            fd = _open_lock("new-" + name)
+            _try_lock(fd)
+            os.rename(os.path.join(lease_dir(), "new-" + name), os.path.join(lease_dir(), name))
+        except OSError:
+            return None
         _registered[:] = [name, fd]
     os.environ[RUN_ENV] = _registered[0]
     return _registered[0]
@@ -445,5 +447,4 @@ def _lock_first(ids: tuple, count: int) -> list:
 
 
 def _release(fds: list) -> None:
-    for fd in fds:
-        os.close(fd)
+    list(map(os.close, fds))

@@ -168,6 +168,13 @@ def test_a_worker_pins_only_cores_no_other_process_holds(lease_dir):
     lease_cores((), (), wait_s=0)
 
 
+def test_an_unusable_lease_directory_leaves_the_run_unregistered_and_unpinned(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(cpus.LEASE_DIR_ENV, str(tmp_path / "file" / "leases"))  # under a file: cannot be made
+    assert cpus.register_run() is None and cpus.RUN_ENV not in os.environ
+    assert lease_cores((0,), (0, 1), wait_s=0) is None and runs_on_host() == []
+
+
 def test_a_crashed_runs_registration_and_leases_are_released(lease_dir):
     """A driver and a worker killed with SIGKILL (no clean-up runs) leave nothing held: the kernel drops their
     locks, so the next run plans for the whole host and pins the cores they had."""
