@@ -162,7 +162,7 @@ def rows_per_seed_at_most(graph: Graph, fanouts) -> int:
     unlisted = max(1, graph.num_relations) - len(fanouts.relations)  # relations on the default list
     rows = frontier = 1
     for i, layer in enumerate(fanouts.layers):
-        per = [layer] * max(1, unlisted) + [fs[i] for _, fs in fanouts.relations]
+        per = [layer] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]
         frontier *= min(most, sum(f if 0 <= f <= most else most for f in per))
         rows += frontier
     return min(rows, max(1, graph.num_nodes))

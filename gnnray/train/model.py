@@ -148,8 +148,8 @@ def relation_patterns(layer, num_relations: int) -> tuple[Csr, Csr]:
 class SyncBatchNorm(nn.BatchNorm1d):
     """BatchNorm1d whose training statistics span all DDP ranks, on CPUs and GPUs alike, with no host sync.
 
-    The batch's sum and sum of squares (float64) and its row count are
-    all-reduced with the autograd-aware
+    The batch's sum and sum of squares (float64, from each rank's fused
+    mean and variance) and its row count are all-reduced with the autograd-aware
     ``torch.distributed.nn.functional.all_reduce`` (its backward sums the
     gradients of all ranks, as torch's own does). An empty rank adds zeros,
     so nothing depends on which ranks had rows. torch's ``nn.SyncBatchNorm``
@@ -174,10 +174,13 @@ class SyncBatchNorm(nn.BatchNorm1d):
         from torch.distributed.nn.functional import all_reduce
 
         group = dist.group.WORLD
-        # One reduction of sum, sum of squares and count; in float64, so that E[x^2] - E[x]^2 keeps its
-        # precision where |mean| >> std (each collective waits for every rank: one, not two, per pass).
-        c, xd = x.shape[1], x.double()
-        sums = all_reduce(torch.cat([xd.sum(0), (xd * xd).sum(0), xd.new_full((1,), x.shape[0])]), group=group)
+        # One reduction of sum, sum of squares and count (each collective waits for every rank: one, not two,
+        # per pass). Each rank's rows in one fused pass of its own precision, centred on its own mean; only the
+        # per-channel sums are float64, so that E[x^2] - E[x]^2 keeps its precision where |mean| >> std.
+        c, n = x.shape[1], x.shape[0]
+        var, mean = torch.var_mean(x, 0, unbiased=False) if n else (x.new_zeros(c), x.new_zeros(c))
+        mean, var = mean.double(), var.double()
+        sums = all_reduce(torch.cat([n * mean, n * (var + mean * mean), mean.new_full((1,), n)]), group=group)
         count = sums[-1]
         mean = sums[:c] / count
         var = (sums[c:2 * c] / count - mean * mean).clamp(min=0)
