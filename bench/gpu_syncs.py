@@ -1,4 +1,4 @@
-"""Host syncs of the step's two collectives, on one device: rows ``syncs embedding`` and ``syncs rgat`` of ``bench.gpu``.
+"""Host syncs of the step's two collectives, on one device: ``bench.gpu``'s rows ``syncs embedding`` and ``syncs rgat``.
 
 Both run under a one-rank process group (NCCL on CUDA, gloo on the CPU), so the
 code takes its multi-rank path on one GPU; the collectives then move nothing,
@@ -141,7 +141,8 @@ def rgat_row(dev: torch.device, z: dict) -> dict:
                    torch_bn_call_host_syncs=count_syncs(theirs_call), input_grad_rel_diff=diff,
                    bn_call_s=gpu._median_s(ours_call, dev, z["reps"]),
                    torch_bn_call_s=gpu._median_s(theirs_call, dev, z["reps"]))
-    row["met"] = diff <= 1e-4 and (dev.type != "cuda" or (row["step_host_syncs"] == 0 and row["bn_call_host_syncs"] == 0))
+    no_syncs = row["step_host_syncs"] == 0 and row["bn_call_host_syncs"] == 0
+    row["met"] = diff <= 1e-4 and (dev.type != "cuda" or no_syncs)
     if dev.type != "cuda":
         row["bn_call_host_syncs"] = row["torch_bn_call_host_syncs"] = None
     return row
