@@ -105,7 +105,8 @@ class Memory:
                 self.tree.append((now, total))
                 if total > tree_top:
                     tree_top = total
-                    self.at_tree_peak = dict(pss_gb=total / 1e9, top=[[round(p / 1e9, 3), c] for p, c in procs[:8]])
+                    self.at_tree_peak = dict(pss_gb=total / 1e9, t=now,
+                                             top=[[round(p / 1e9, 3), c] for p, c in procs[:8]])
             if used > top * 1.02 and now - last > 2.0:  # a new peak: who holds it (reading smaps takes time)
                 top, last = used, now
                 self.at_peak = dict(used_gb=used / 1e9, **self._holders())
@@ -162,13 +163,13 @@ def timed_lines(cmd: list, env: dict, mem: "Memory | None" = None) -> tuple[list
     return lines, start, time.perf_counter(), proc.wait()
 
 
-def run_gnnray(graph_dir: Path, work: Path, feat: int) -> dict:
+def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dict:
     name = f"products-{int(time.time())}"
     argv = [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), "--dataset", str(graph_dir),
             "--random-features", str(feat), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1",
             "--model", "sage",
             "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024", "--eval", "sampled",
-            "--epochs", "1", "--storage-path", str(work), "--name", name]
+            "--epochs", "1", "--storage-path", str(work), "--name", name, *extra]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     mem = Memory()
     lines, start, end, rc = timed_lines(argv, env, mem)
@@ -184,13 +185,15 @@ def run_gnnray(graph_dir: Path, work: Path, feat: int) -> dict:
     metrics = [json.loads(s) for s in (work / name / "metrics.jsonl").read_text().splitlines() if s.strip()]
     train_s = metrics[-1]["epoch_time"]
     after = at["epoch"] - at["published"]
+    # When the run's PSS peaked: seconds before the epoch line, which follows the evaluation (eval_time long).
+    mem.at_tree_peak["s_before_epoch_line"] = at["epoch"] - mem.at_tree_peak.pop("t", at["epoch"])
     return dict(argv=argv[2:], whole_s=end - start, load_s=at["graph"] - start, publish_s=at["published"] - at["graph"],
                 train_s=train_s, eval_s=after - train_s, sampled_eval_s=metrics[-1].get("eval_time"),
                 train_and_eval_s=after, metrics=metrics[-1],
                 peak_gb=dict(load=mem.peak(start, at["graph"]), publish=mem.peak(at["graph"], at["published"]),
                              train_and_eval=mem.peak(at["published"], end), whole=mem.peak(start, end)),
-                tree_peak_gb=dict(load=mem.peak(start, at["graph"], True),
-                                  train_and_eval=mem.peak(at["published"], end, True), whole=mem.peak(start, end, True)),
+                tree_peak_gb=dict(load=mem.peak(start, at["graph"], True), whole=mem.peak(start, end, True),
+                                  train_and_eval=mem.peak(at["published"], end, True)),
                 at_peak=mem.at_peak, at_tree_peak=mem.at_tree_peak,
                 output=[text for _, text in lines if not text.startswith("(")][-12:])
 
@@ -354,6 +357,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(REPO / "bench-results" / "products.json"))
     ap.add_argument("--load-only", action="store_true", help="only load the structure, gnnray's way and DGL's")
     ap.add_argument("--repeat", type=int, default=1, help="--load-only: runs of each, interleaved (medians)")
+    ap.add_argument("--ours", default="", help="more options for gnnray's run, as one string (e.g. '--eval-rows "
+                    "100000000': evaluation batches of --eval-batch-size seeds whatever their rows)")
+    ap.add_argument("--ours-only", action="store_true", help="run gnnray's side alone (no DGL, no ratios)")
     ap.add_argument("--dgl-python", default=sys.executable,
                     help="the Python that runs the DGL script (one whose environment has DGL and its torch)")
     ap.add_argument("--dgl-script", help=argparse.SUPPRESS)
@@ -375,12 +381,21 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     if args.load_only:
         out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree),
-                   **load_only(graph_dir, args.repeat, args.dgl_python), loadavg_before=load, loadavg_after=os.getloadavg())
+                   **load_only(graph_dir, args.repeat, args.dgl_python), loadavg_before=load,
+                   loadavg_after=os.getloadavg())
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1))
         return 0
-    ours, dgl = run_gnnray(graph_dir, work, args.feat), run_dgl(graph_dir, args.feat, args.dgl_python)
+    ours = run_gnnray(graph_dir, work, args.feat, tuple(args.ours.split()))
+    if args.ours_only:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(gnnray=ours, loadavg_before=load, loadavg_after=os.getloadavg()),
+                                              indent=1))
+        print(json.dumps(dict(whole_s=ours["whole_s"], eval_time=ours["sampled_eval_s"],
+                              tree_peak_gb=ours["tree_peak_gb"], at_tree_peak=ours["at_tree_peak"]), indent=1))
+        return 0
+    dgl = run_dgl(graph_dir, args.feat, args.dgl_python)
     ratio = {k: ours[k] / dgl[k] for k in ("whole_s", "load_s", "train_s", "eval_s")}
     ratio["peak_whole"] = ours["peak_gb"]["whole"] / dgl["peak_gb"]["whole"]
     ratio["tree_peak_whole"] = ours["tree_peak_gb"]["whole"] / dgl["tree_peak_gb"]["whole"]
