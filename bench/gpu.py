@@ -18,7 +18,9 @@ batches (:func:`synthetic_batch`):
   layer's rows and the predictions compared, and the time of each;
 - ``ddp step``: ``train_epoch`` under DDP fed by the ``Prefetcher``, with NCCL
   (one process per GPU; one process on a single GPU), or gloo on the CPU: time
-  per step, and the ranks' weights equal afterwards.
+  per step, and the ranks' weights equal afterwards;
+- ``syncs embedding``, ``syncs rgat``: host syncs of ``--embedding-dim``'s gradient
+  exchange and of rgat's synchronised BatchNorm (``bench/gpu_syncs.py``).
 
 It prints a table and writes every number to ``bench-results/gpu.json``; a failed row shows its error, the
 others still run, and the exit status is 1. Without CUDA every row runs on the CPU at small sizes, as a
