@@ -196,7 +196,7 @@ class TrainConfig(_Options):
                                   **at_least(1))
     eval_rows: int = option(0, "feature rows an evaluation mini-batch gathers, at most: it takes as many seeds as "
                             "fit (0: from the feature table in the object store: the evaluation's prepared batches "
-                            "together hold at most half as many rows, and each may hold 131,072)", **at_least(0))
+                            "together hold at most half as many rows, but each may hold 131,072)", **at_least(0))
     eval: str = option("layerwise", "final accuracies: layerwise (exact, all neighbors, on the train workers "
                        "after the last epoch) or sampled (with --eval-fanouts, on the train workers); per-epoch validation is "
                        "sampled either way", choices=("layerwise", "sampled"))
