@@ -18,9 +18,14 @@ features), then runs, one after the other, each in its own process:
 
 For each: the whole run, loading (command to graph in memory; gnnray's
 includes Ray's start, which overlaps it), the training epoch, evaluation,
-and the peak of the whole machine's used memory (every process, Ray's
-included; ``psutil.virtual_memory().used`` every 0.2 s, less its value
-before the run) per phase. gnnray's phases come from its output lines: load
+and two peaks of memory per phase: the whole machine's used memory (every
+process, Ray's included; ``psutil.virtual_memory().used`` every 0.2 s, less
+its value before the run), and the run's own, the proportional set size (PSS)
+summed over the run's process tree (its local Ray cluster's processes are its
+descendants; pages shared between them, the object store's included, count
+once), which other work on a shared machine does not move. ``--dgl-python``
+runs the DGL script with another interpreter (DGL's last wheel needs torch
+2.2.1: an environment of its own). gnnray's phases come from its output lines: load
 (to the graph line), publish (to the next line), and training plus
 evaluation (to the epoch line, workers' start included); its evaluation is
 that span less ``epoch_time``. Writes ``--json`` (default
@@ -74,26 +79,52 @@ def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0)
 
 
 class Memory:
-    """The machine's used memory every 0.2 s, in bytes over its value at the start, with the time of each."""
+    """The machine's used memory every 0.2 s, in bytes over its value at the start, with the time of each; and,
+    once :attr:`pid` is set, the PSS summed over that process and its descendants."""
 
     def __init__(self):
         import psutil
 
         self._psutil, self.base = psutil, psutil.virtual_memory().used
-        self.samples, self._stop = [], threading.Event()
+        self.samples, self.tree, self._stop = [], [], threading.Event()
+        self.pid: int = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
         self.at_peak: dict = {}  # what held the memory near the peak (:meth:`_holders`)
+        self.at_tree_peak: dict = {}  # the run's processes at the peak of their PSS
 
     def _run(self) -> None:
-        top, last = 0, 0.0
+        top, last, tree_top = 0, 0.0, 0
         while not self._stop.wait(0.2):
             now, used = time.perf_counter(), self._psutil.virtual_memory().used - self.base
             self.samples.append((now, used))
+            if self.pid:
+                procs = self._tree_pss()
+                total = sum(p for p, _ in procs)
+                self.tree.append((now, total))
+                if total > tree_top:
+                    tree_top = total
+                    self.at_tree_peak = dict(pss_gb=total / 1e9, t=now,
+                                             top=[[round(p / 1e9, 3), c] for p, c in procs[:8]])
             if used > top * 1.02 and now - last > 2.0:  # a new peak: who holds it (reading smaps takes time)
                 top, last = used, now
                 self.at_peak = dict(used_gb=used / 1e9, **self._holders())
+
+    def _tree_pss(self) -> list:
+        """(PSS bytes, command) of :attr:`pid` and every descendant, largest first."""
+        try:
+            root = self._psutil.Process(self.pid)
+            procs = [root] + root.children(recursive=True)
+        except self._psutil.Error:
+            return []
+        out = []
+        for p in procs:
+            try:
+                out.append((p.memory_full_info().pss, " ".join(p.cmdline()[:3])[:80]))
+            except (self._psutil.Error, OSError):
+                continue
+        return sorted(out, reverse=True)
 
     def _holders(self) -> dict:
         """Private memory (USS) of the largest processes, GB, and the machine's shared memory (the object
@@ -114,30 +145,34 @@ class Memory:
         self._stop.set()
         self._thread.join()
 
-    def peak(self, a: float, b: float) -> float:
-        """Peak over ``[a, b]`` (perf_counter times), GB."""
-        inside = [m for t, m in self.samples if a <= t <= b]
+    def peak(self, a: float, b: float, tree: bool = False) -> float:
+        """Peak over ``[a, b]`` (perf_counter times), GB: of the machine's used memory, or with ``tree`` of the
+        run's processes' PSS."""
+        inside = [m for t, m in (self.tree if tree else self.samples) if a <= t <= b]
         return max(inside, default=0) / 1e9
 
 
-def timed_lines(cmd: list, env: dict) -> tuple[list, float, float, int]:
-    """Run ``cmd``; each output line with its perf_counter time; start, end, exit code."""
+def timed_lines(cmd: list, env: dict, mem: "Memory | None" = None) -> tuple[list, float, float, int]:
+    """Run ``cmd`` (``mem`` follows its process tree); each output line with its perf_counter time; start, end,
+    exit code."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if mem is not None:
+        mem.pid = proc.pid
     lines = [(time.perf_counter(), line.rstrip()) for line in proc.stdout]
     return lines, start, time.perf_counter(), proc.wait()
 
 
-def run_gnnray(graph_dir: Path, work: Path, feat: int) -> dict:
+def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dict:
     name = f"products-{int(time.time())}"
     argv = [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), "--dataset", str(graph_dir),
             "--random-features", str(feat), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1",
             "--model", "sage",
             "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024", "--eval", "sampled",
-            "--epochs", "1", "--storage-path", str(work), "--name", name]
+            "--epochs", "1", "--storage-path", str(work), "--name", name, *extra]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     mem = Memory()
-    lines, start, end, rc = timed_lines(argv, env)
+    lines, start, end, rc = timed_lines(argv, env, mem)
     mem.stop()
     if rc:
         raise RuntimeError(f"gnnray exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
@@ -150,20 +185,23 @@ def run_gnnray(graph_dir: Path, work: Path, feat: int) -> dict:
     metrics = [json.loads(s) for s in (work / name / "metrics.jsonl").read_text().splitlines() if s.strip()]
     train_s = metrics[-1]["epoch_time"]
     after = at["epoch"] - at["published"]
+    # When the run's PSS peaked: seconds before the epoch line, which follows the evaluation (eval_time long).
+    mem.at_tree_peak["s_before_epoch_line"] = at["epoch"] - mem.at_tree_peak.pop("t", at["epoch"])
     return dict(argv=argv[2:], whole_s=end - start, load_s=at["graph"] - start, publish_s=at["published"] - at["graph"],
                 train_s=train_s, eval_s=after - train_s, sampled_eval_s=metrics[-1].get("eval_time"),
                 train_and_eval_s=after, metrics=metrics[-1],
                 peak_gb=dict(load=mem.peak(start, at["graph"]), publish=mem.peak(at["graph"], at["published"]),
                              train_and_eval=mem.peak(at["published"], end), whole=mem.peak(start, end)),
-                at_peak=mem.at_peak,
+                tree_peak_gb=dict(load=mem.peak(start, at["graph"], True), whole=mem.peak(start, end, True),
+                                  train_and_eval=mem.peak(at["published"], end, True)),
+                at_peak=mem.at_peak, at_tree_peak=mem.at_tree_peak,
                 output=[text for _, text in lines if not text.startswith("(")][-12:])
 
 
-def run_dgl(graph_dir: Path, feat: int) -> dict:
+def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
     spec = json.dumps(dict(graph=str(graph_dir), feat=feat))
     mem = Memory()
-    lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--dgl-script", spec],
-                                        dict(os.environ, **ARROW_ENV))
+    lines, start, end, rc = timed_lines([python, "-m", "bench.products", "--dgl-script", spec], _env(), mem)
     mem.stop()
     if rc:
         raise RuntimeError(f"the DGL script exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
@@ -171,7 +209,16 @@ def run_dgl(graph_dir: Path, feat: int) -> dict:
     result = json.loads([text for _, text in lines if text.startswith(RESULT)][-1][len(RESULT):])
     return dict(result, whole_s=end - start, load_s=marks["loaded"] - start,
                 peak_gb=dict(load=mem.peak(start, marks["loaded"]), train=mem.peak(marks["loaded"], marks["trained"]),
-                             eval=mem.peak(marks["trained"], end), whole=mem.peak(start, end)), at_peak=mem.at_peak)
+                             eval=mem.peak(marks["trained"], end), whole=mem.peak(start, end)),
+                tree_peak_gb=dict(load=mem.peak(start, marks["loaded"], True), whole=mem.peak(start, end, True)),
+                at_peak=mem.at_peak, at_tree_peak=mem.at_tree_peak)
+
+
+def _env() -> dict:
+    """The scripts' environment: Arrow's allocator as the job sets it, and this checkout first on the path (another
+    interpreter, ``--dgl-python``, imports this bench and gnnray from here)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, **ARROW_ENV, PYTHONPATH=path)
 
 
 def dgl_script(spec: dict) -> None:
@@ -280,14 +327,15 @@ def load_script(which: str, path: Path) -> None:
     print(RESULT + json.dumps(dict(load_s=seconds, peak_rss_gb=peak / 1e9, edges=edges)), flush=True)
 
 
-def load_only(graph_dir: Path, repeat: int = 1) -> dict:
+def load_only(graph_dir: Path, repeat: int = 1, dgl_python: str = sys.executable) -> dict:
     """gnnray's and the DGL script's loading of the structure, each in a process of its own, interleaved
     ``repeat`` times; the medians and their ratios."""
     runs = {"gnnray": [], "dgl": []}
     for _ in range(repeat):
         for which in runs:
-            lines, start, end, rc = timed_lines([sys.executable, "-m", "bench.products", "--load-script", which,
-                                                 str(graph_dir)], dict(os.environ, **ARROW_ENV))
+            python = dgl_python if which == "dgl" else sys.executable
+            lines, start, end, rc = timed_lines([python, "-m", "bench.products", "--load-script", which,
+                                                 str(graph_dir)], _env())
             if rc:
                 raise RuntimeError(f"{which} load exited with {rc}: " + "\n".join(t for _, t in lines[-10:]))
             runs[which].append(dict(json.loads([t for _, t in lines if t.startswith(RESULT)][-1][len(RESULT):]),
@@ -309,6 +357,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=str(REPO / "bench-results" / "products.json"))
     ap.add_argument("--load-only", action="store_true", help="only load the structure, gnnray's way and DGL's")
     ap.add_argument("--repeat", type=int, default=1, help="--load-only: runs of each, interleaved (medians)")
+    ap.add_argument("--ours", default="", help="more options for gnnray's run, as one string (e.g. '--eval-rows "
+                    "100000000': evaluation batches of --eval-batch-size seeds whatever their rows)")
+    ap.add_argument("--ours-only", action="store_true", help="run gnnray's side alone (no DGL, no ratios)")
+    ap.add_argument("--dgl-python", default=sys.executable,
+                    help="the Python that runs the DGL script (one whose environment has DGL and its torch)")
     ap.add_argument("--dgl-script", help=argparse.SUPPRESS)
     ap.add_argument("--load-script", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -328,14 +381,24 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     if args.load_only:
         out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree),
-                   **load_only(graph_dir, args.repeat), loadavg_before=load, loadavg_after=os.getloadavg())
+                   **load_only(graph_dir, args.repeat, args.dgl_python), loadavg_before=load,
+                   loadavg_after=os.getloadavg())
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1))
         return 0
-    ours, dgl = run_gnnray(graph_dir, work, args.feat), run_dgl(graph_dir, args.feat)
+    ours = run_gnnray(graph_dir, work, args.feat, tuple(args.ours.split()))
+    if args.ours_only:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(gnnray=ours, loadavg_before=load, loadavg_after=os.getloadavg()),
+                                              indent=1))
+        print(json.dumps(dict(whole_s=ours["whole_s"], eval_time=ours["sampled_eval_s"],
+                              tree_peak_gb=ours["tree_peak_gb"], at_tree_peak=ours["at_tree_peak"]), indent=1))
+        return 0
+    dgl = run_dgl(graph_dir, args.feat, args.dgl_python)
     ratio = {k: ours[k] / dgl[k] for k in ("whole_s", "load_s", "train_s", "eval_s")}
     ratio["peak_whole"] = ours["peak_gb"]["whole"] / dgl["peak_gb"]["whole"]
+    ratio["tree_peak_whole"] = ours["tree_peak_gb"]["whole"] / dgl["tree_peak_gb"]["whole"]
     out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree, classes=args.classes,
                           feat=args.feat, split=SPLIT), gnnray=ours, dgl_script=dgl, ratio=ratio,
                machine=dict(cpus=os.cpu_count(), memory_gb=psutil.virtual_memory().total / 1e9),
@@ -349,6 +412,8 @@ def main(argv=None) -> int:
         ev = ours["sampled_eval_s"]
         print(f"{'eval (rank)':12}{ev:10.1f}{dgl['eval_s']:12.1f}{ev / dgl['eval_s']:8.2f}")
     print(f"{'peak GB':12}{ours['peak_gb']['whole']:10.2f}{dgl['peak_gb']['whole']:12.2f}{ratio['peak_whole']:8.2f}")
+    print(f"{'run PSS GB':12}{ours['tree_peak_gb']['whole']:10.2f}{dgl['tree_peak_gb']['whole']:12.2f}"
+          f"{ratio['tree_peak_whole']:8.2f}")
     print("gnnray phases (GB):", ours["peak_gb"], "DGL script phases (GB):", dgl["peak_gb"])
     return 0
 

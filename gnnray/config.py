@@ -192,7 +192,11 @@ class TrainConfig(_Options):
     use_gpu: Optional[bool] = option(None, "train on GPUs (auto: when the cluster has any)")
     cpus_per_worker: float = option(1.0, "CPUs per train worker", **POSITIVE)
     prefetch: int = option(2, "mini-batches each worker prepares ahead of the current step", **at_least(1))
-    eval_batch_size: int = option(4096, "seeds per evaluation mini-batch", **at_least(1))
+    eval_batch_size: int = option(4096, "seeds per evaluation mini-batch, at most (--eval-rows bounds its rows)",
+                                  **at_least(1))
+    eval_rows: int = option(0, "feature rows an evaluation mini-batch gathers, at most: it takes as many seeds as "
+                            "fit (0: from the feature table in the object store: the evaluation's prepared batches "
+                            "together hold at most half as many rows, but each may hold 131,072)", **at_least(0))
     eval: str = option("layerwise", "final accuracies: layerwise (exact, all neighbors, on the train workers "
                        "after the last epoch) or sampled (with --eval-fanouts, on the train workers); per-epoch validation is "
                        "sampled either way", choices=("layerwise", "sampled"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,9 @@ from shared_runs import script_run  # noqa: F401  (a session fixture: one script
 
 os.environ.setdefault("DGLBACKEND", "pytorch")  # read by DGL where the dgl extra is installed
 os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's dependency asks PyPI for updates (no internet here)
+# The session's runs register and lease cores among themselves (gnnray.cpus, "Runs sharing a host"): the tests
+# that check which cores a worker pins must not depend on what other sessions on the host hold meanwhile.
+os.environ.setdefault("GNNRAY_CPU_DIR", tempfile.mkdtemp(prefix="gnnray-cpus-"))
 
 # ../shared beside the repository (present here and in CI; absent on a user's machine).
 SHARED_DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"

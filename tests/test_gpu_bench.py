@@ -28,7 +28,8 @@ def test_gpu_bench_smoke_runs_every_row(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     layerwise = {f"layerwise {m}" for m in MODELS if not m.startswith("r")}  # the untyped models
-    want = {f"model {m}" for m in MODELS} | layerwise | {"prefetch float32", "prefetch float16", "ddp step"}
+    want = {f"model {m}" for m in MODELS} | layerwise | {"prefetch float32", "prefetch float16", "ddp step",
+                                                          "syncs embedding", "syncs rgat"}
     assert set(result["rows"]) == want
     failed = {k: r.get("error") for k, r in result["rows"].items() if r["status"] != "ok"}
     assert not failed, failed
@@ -40,3 +41,7 @@ def test_gpu_bench_smoke_runs_every_row(tmp_path):
         # CPU against CPU here (the same arithmetic); on a GPU within float32's summation-order spread.
         assert row["met"], (name, row)
     assert result["rows"]["ddp step"]["weights_max_diff_across_ranks"] == 0.0
+    # The collectives' rows ran their multi-rank paths (on a GPU they also count host syncs): rows updated, and
+    # gnnray's synchronised BatchNorm agreeing with torch's nn.SyncBatchNorm.
+    assert result["rows"]["syncs embedding"]["met"] and result["rows"]["syncs embedding"]["rows_updated"] > 0
+    assert result["rows"]["syncs rgat"]["met"], result["rows"]["syncs rgat"]

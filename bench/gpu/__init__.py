@@ -18,7 +18,9 @@ batches (:func:`~bench.gpu.batches.synthetic_batch`):
   layer's rows and the predictions compared, and the time of each;
 - ``ddp step``: ``train_epoch`` under DDP fed by the ``Prefetcher``, with NCCL
   (one process per GPU; one process on a single GPU), or gloo on the CPU: time
-  per step, and the ranks' weights equal afterwards.
+  per step, and the ranks' weights equal afterwards;
+- ``syncs embedding``, ``syncs rgat``: host syncs of ``--embedding-dim``'s gradient
+  exchange and of rgat's synchronised BatchNorm (``bench/gpu/syncs.py``).
 
 Each row's code is its own module (``models.py``, ``prefetch.py``, ``layerwise.py``, ``ddp.py``; what they
 share is ``batches.py``). It prints a table and writes every number to ``bench-results/gpu.json``; a failed row
@@ -50,6 +52,7 @@ DEFAULT_JSON = Path(__file__).resolve().parents[2] / "bench-results" / "gpu.json
 
 def run(smoke: bool) -> dict:
     """Every row (a failed one carries its error), with the machine and the sizes."""
+    from bench.gpu import syncs
     from gnnray.train.model import MODELS
 
     cuda = torch.cuda.is_available()
@@ -64,6 +67,7 @@ def run(smoke: bool) -> dict:
         jobs.append((f"prefetch {np.dtype(dtype).name}", lambda dtype=dtype: median_run([prefetch_overlap(
             str(dev), z["prefetch_batches"], z["prefetch_inputs"], z["in_feats"], dtype) for _ in range(3)])))
     jobs.append(("ddp step", lambda: ddp_row(dev, z)))
+    jobs += syncs.jobs(dev, z)  # host syncs of the embedding's and rgat's collectives
     rows = {}
     for name, fn in jobs:
         try:
@@ -91,6 +95,10 @@ def table(result: dict) -> str:
         elif name.startswith("layerwise"):
             text = (f"{r['nodes']:,} nodes: hidden rel diff {r['hidden_rel_diff']:.1e}, predictions agree "
                     f"{100 * r['pred_agree']:.2f}%; {r['device_s']:.2f} s on {result['device']} vs {r['cpu_s']:.2f} s on cpu")
+        elif name.startswith("syncs"):
+            from bench.gpu.syncs import text as syncs_text
+
+            text = syncs_text(name, r, result["device"])
         elif name.startswith("prefetch"):
             text = (f"{1000 * r['prefetch_s']:.2f} ms/batch with the Prefetcher vs max(copy {1000 * r['copy_s']:.2f}, "
                     f"compute {1000 * r['compute_s']:.2f}) = {r['prefetch_over_bound']:.2f}x; serial "

@@ -46,11 +46,11 @@ def model_row(name: str, dev: torch.device, z: dict) -> dict:
                device_step_s=median_s(lambda: step(on_dev, mb_dev), dev, z["reps"]))
     row["met"] = row["out_rel_diff"] <= REL_TOL and row["grad_rel_diff"] <= REL_TOL
     if dev.type == "cuda":
-        row["host_syncs_per_step"] = _syncs_per_step(on_dev, mb_dev, z)
+        row["host_syncs_per_step"] = syncs_per_step(on_dev, mb_dev, z)
     return row
 
 
-def _syncs_per_step(model, mb, z: dict) -> float:
+def syncs_per_step(model, mb, z: dict) -> float:
     """Host syncs per ``train_epoch`` step (model, loss, Adam, metrics), by torch's sync debug mode: the
     difference between epochs of ``2k`` and ``k`` steps, so the epoch's own read-back at its end cancels out."""
     from gnnray.train.step import train_epoch

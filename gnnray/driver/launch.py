@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import socket
 import sys
@@ -116,16 +117,21 @@ def _start_local(cfg: JobConfig, options: dict, job_env: dict):
     """
     import ray
 
-    # Enough logical CPUs for every worker and sampler actor plus one for Ray Data's own tasks; on a small
-    # machine they then share cores rather than wait forever.
+    # Logical CPUs for every worker and sampler actor plus one for Ray Data's own tasks, no more: they are
+    # what the job asks Ray for, not cores (the CPU plan decides those), and runs started beside this one on
+    # the host claim theirs too. On a small machine they then share cores rather than wait forever.
     need = cfg.train.workers_max * cfg.train.cpus_per_worker + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1
+    # Registered before the cluster starts: its workers plan for this run's share of the host's cores, and
+    # runs started at the same time see each other (gnnray.cpus, "Runs sharing a host").
+    if cfg.train.cpu_plan == "on":
+        cpus.register_run()  # in $GNNRAY_HOST_RUN, which the cluster's processes inherit
     os.environ["PYTHONWARNINGS"] = _ignore_deprecation()
     port = _free_port()
     os.environ["RAY_ADDRESS"] = _own_address[0] = f"{ray.util.get_node_ip_address()}:{port}"
     # A local cluster's processes inherit the job's environment from this one; a job runtime env
     # instead would keep every actor off the idle workers Ray starts with the cluster (they have none).
     with _environ({**job_env, "RAY_GCS_SERVER_PORT": str(port)}):
-        started = ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), **options)
+        started = ray.init(address="local", num_cpus=math.ceil(need), **options)
     os.environ["RAY_ADDRESS"] = _own_address[0] = started.address_info["gcs_address"]
     return started
 

@@ -9,9 +9,12 @@ The update is DGL's (``dgl.optim.SparseAdam``, ``dgl.distributed.optim.SparseAda
 correction (a row first touched late moves by about ``lr``, as its first step
 would), and a row's gradient is the *mean over the contributions it got* in the
 step (one per rank that looked it up), not a sum divided by the world size.
-Each step one ``all_reduce`` sums the ranks' sparse gradients with a count
-column beside them (over a gloo process group: gloo reduces sparse tensors,
-NCCL cannot, so on GPUs a gloo group is created beside the default one).
+Each step the ranks exchange the ids they looked up (on the host, where the
+lookups read them, over a gloo group: the default one, or one made beside
+NCCL's), scatter their gradient with a count column into the rows of the ids'
+union, and one dense ``all_reduce`` sums those rows where the gradient is: on
+GPUs over the default (NCCL) group, so the gradient does not cross to the host
+before it is reduced.
 
 Where the rows live:
 
@@ -30,8 +33,9 @@ updated after they were read are read again when the batch is taken
 (:meth:`EmbeddingTable.complete`, counted in ``data_wait``), and only those are
 copied again: every rank knows which rows each step touched (the all-reduced
 gradient's ids), so a batch gets exactly the rows a lookup at its step would.
-The table and its update stay on the host (the gradient comes back to it each
-step): a node table is far larger than a GPU.
+The table and its update stay on the host: a node table is far larger than a
+GPU. So on a GPU the reduced gradient comes back to the host once per step
+(``step``), the step's one read-back (README, "What runs where").
 
 Checkpoints by shard: whoever holds rows writes them and their optimizer state
 into the checkpoint directory (``train.checkpoint.write_rows``: an owner on its
@@ -190,9 +194,10 @@ class EmbeddingTable:
         rows, on_device = lookup.rows, lookup.device_rows
         if since and len(lookup.ids):
             stale = np.flatnonzero(np.isin(lookup.ids, np.concatenate(since)))
-            if len(stale) and on_device is not None:  # only the stale rows cross again
-                fresh = torch.from_numpy(self._read(lookup.ids[stale]))
-                on_device.index_copy_(0, torch.from_numpy(stale).to(on_device.device), fresh.to(on_device.device))
+            if len(stale) and on_device is not None:  # only the stale rows cross again, queued (no host wait)
+                fresh = torch.from_numpy(self._read(lookup.ids[stale])).pin_memory()
+                at = torch.from_numpy(stale).pin_memory().to(on_device.device, non_blocking=True)
+                on_device.index_copy_(0, at, fresh.to(on_device.device, non_blocking=True))
             elif len(stale):
                 rows[stale] = self._read(lookup.ids[stale])
         self._ids = lookup.ids
@@ -211,21 +216,31 @@ class EmbeddingTable:
         """Sum the batch rows' gradient and counts over the ranks, apply the mean (call on every rank, every step)."""
         import torch.distributed as dist
 
-        if self._rows is not None and self._rows.grad is not None and self._ids.size:
-            # From a GPU, one copy back (and a wait for backward): the table and its update are on the host.
-            values = torch.cat([self._rows.grad.cpu(), torch.ones(len(self._ids), 1)], dim=1)
-            ids = torch.from_numpy(self._ids).view(1, -1)
-        else:  # no rows looked up: still join the all-reduce
-            values, ids = torch.empty(0, self.dim + 1), torch.empty(1, 0, dtype=torch.int64)
-        total = torch.sparse_coo_tensor(ids, values, (self._n, self.dim + 1)).coalesce()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1:
-            dist.all_reduce(total, group=self._group)
-            total = total.coalesce()
-        ids, values = total.indices()[0].numpy(), total.values().numpy()
-        self._apply(ids, np.ascontiguousarray(values[:, :-1]), np.ascontiguousarray(values[:, -1]))
+        grad = self._rows.grad if self._rows is not None and self._ids is not None and len(self._ids) else None
+        ids = self._ids if grad is not None else np.empty(0, dtype=np.int64)
+        group = dist.is_available() and dist.is_initialized()
+        nccl = group and dist.get_backend() == "nccl"
+        if group:  # every rank's ids (host arrays), over gloo: the union's rows are then reduced in one piece
+            every = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(every, ids, group=self._group)
+            ids = np.concatenate([ids, *every])  # this rank's first: their positions are found below
+        union, where = np.unique(ids, return_inverse=True)
+        # Reduced where the gradient is: on a GPU (NCCL) without a copy to the host first.
+        device = grad.device if grad is not None else torch.device("cuda", torch.cuda.current_device()) if nccl \
+            else torch.device("cpu")
+        total = torch.zeros(len(union), self.dim + 1, device=device)
+        if grad is not None:
+            n = len(self._ids)
+            at = torch.from_numpy(where[:n])
+            at = at.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else at
+            total.index_add_(0, at, torch.cat([grad, grad.new_ones(n, 1)], dim=1))
+        if group:
+            dist.all_reduce(total, group=None if nccl else self._group)
+        values = total.cpu().numpy()  # on a GPU the step's one read-back: the table and its update are here
+        self._apply(union, np.ascontiguousarray(values[:, :-1]), np.ascontiguousarray(values[:, -1]))
         self._rows = None
         with self._lock:
-            self._touched.append((self._version, ids))
+            self._touched.append((self._version, union))
             self._version += 1
 
     def _ranks(self) -> tuple[int, int]:
@@ -409,7 +424,8 @@ class ShardedEmbedding(EmbeddingTable):
 
 
 def _gloo_group() -> Optional[object]:
-    """A process group that can all-reduce sparse CPU tensors: the default one if it is gloo."""
+    """A process group for host arrays (the ranks' ids; the gradient too on CPU ranks): the default one if it
+    is gloo."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "gloo":

@@ -4,6 +4,15 @@ The worker samples nothing itself: its node's
 :class:`~gnnray.pipeline.sampler.EvaluationSampler` actor, one shared by the
 node's workers, samples each chunk of seeds, at most :attr:`Evaluator.requests` chunks ahead;
 the worker gathers the features as in training (:class:`Prefetcher`).
+
+Chunks are sized by the rows they gather, not by their seeds: a chunk of
+4,096 seeds with fanouts 15,10,5 samples most of a products-sized graph
+(about 2 M rows, 0.8 GB of features), and the prefetcher holds several. Each
+chunk is meant to gather at most :attr:`Evaluator.max_rows` rows
+(``--eval-rows``, by default from the feature table: :func:`row_bound`): the
+first ones take the seeds that many rows can hold at worst (every sampled
+neighbor new), the next ones as many as the rows per seed seen in the last
+batch allow (fewer seeds sample more rows each, so that estimate is high).
 """
 
 from __future__ import annotations
@@ -57,48 +66,73 @@ class Evaluator:
         self.requests = cfg.train.prefetch + 1
         self.max_in_flight = self.requests + cfg.train.prefetch + 2
         self.requested = self.consumed = self.peak_in_flight = 0
+        self.max_rows = cfg.train.eval_rows or row_bound(graph.num_nodes, cfg.train.prefetch + 2)
+        self._first_seeds = max(1, self.max_rows // rows_per_seed_at_most(graph, fanouts))
+        self.peak_rows = self.resampled = 0  # the most rows a batch gathered; batches over the bound, dropped
 
     def accuracy(self, model, split: str) -> float:
         from torchmetrics.classification import MulticlassAccuracy
 
         ids = self._graph.split(split)[self._rank::self._world]
-        size = self._cfg.train.eval_batch_size
-        chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
         acc = MulticlassAccuracy(self._graph.num_classes, average="micro", validate_args=False).to(self._device)
         net = getattr(model, "module", model)  # no DDP hooks needed without backward
         net.eval()
-        with torch.no_grad(), self._batches(chunks) as batches:
+        with torch.no_grad(), self._batches(ids) as batches:
             for mb in batches:
                 self.peak_in_flight = max(self.peak_in_flight, self.requested - self.consumed)
                 self.consumed += 1
                 acc.update(net(mb.layers, model_input(mb, self._embedding)).argmax(1), mb.labels)
         return float(acc.compute())  # synchronised across ranks by torchmetrics
 
-    def _packed(self, chunks: list[np.ndarray]) -> Iterator[np.ndarray]:
-        """The chunks' packed batches, in order, with at most :attr:`requests` being sampled at a time."""
+    def _packed(self, ids: np.ndarray) -> Iterator[np.ndarray]:
+        """Packed batches of ``ids``, chunk by chunk, with at most :attr:`requests` being sampled at a time; each
+        chunk's seeds from the rows per seed of the last batch received (module docstring). A batch over
+        :attr:`max_rows` rows is dropped and its seeds sampled again in smaller chunks (accuracy does not depend
+        on the order): the bound holds, unless one seed alone samples more."""
         import collections
 
         import ray
 
-        pending: collections.deque = collections.deque()
+        pending: collections.deque = collections.deque()  # (seeds, the sampler's result)
+        todo: collections.deque = collections.deque([ids] if len(ids) else [])  # seeds not yet requested
         get = ray.get if not isinstance(self._sampler, _Here) else (lambda packed: packed)
-        for chunk in chunks:
-            if len(pending) == self.requests:
-                yield get(pending.popleft())
-            pending.append(self._sampler.sample.remote(chunk))
-            self.requested += 1
-        while pending:
-            yield get(pending.popleft())
+        size = self._chunk_seeds()
+        while todo or pending:
+            if todo and len(pending) < self.requests:
+                chunk, rest = todo[0][:size], todo[0][size:]
+                todo[0] = rest
+                if not len(rest):
+                    todo.popleft()
+                pending.append((chunk, self._sampler.sample.remote(chunk)))
+                self.requested += 1
+                continue
+            chunk, ref = pending.popleft()
+            packed = get(ref)
+            rows = int(packed[4])  # MiniBatch.pack's header: magic, epoch, layers, seeds, input nodes
+            size = self._chunk_seeds(len(chunk), rows)
+            if rows > self.max_rows and len(chunk) > 1:
+                todo.appendleft(chunk)
+                self.consumed += 1  # out of flight, not computed
+                self.resampled += 1
+                continue
+            self.peak_rows = max(self.peak_rows, rows)
+            yield packed
 
-    def _batches(self, chunks: list[np.ndarray]):
-        """The chunks' mini-batches, prepared ahead on a thread when there are several.
+    def _chunk_seeds(self, seeds: int = 0, rows: int = 0) -> int:
+        """Seeds of the next chunk: those :attr:`max_rows` rows hold at ``rows / seeds`` rows per seed (at worst,
+        before any batch came back), at most ``--eval-batch-size``."""
+        fit = self._first_seeds if not rows else int(0.9 * self.max_rows * seeds / rows)
+        return max(1, min(self._cfg.train.eval_batch_size, fit))
+
+    def _batches(self, ids: np.ndarray):
+        """The mini-batches of ``ids``, prepared ahead on a thread when there are several.
 
         A single batch has nothing to overlap with: it is prepared here, as
         the thread would, which spares starting and joining a thread each
         epoch (a wait for the scheduler on a busy machine).
         """
-        packed = self._packed(chunks)
-        if len(chunks) > 1:
+        packed = self._packed(ids)
+        if len(ids) > self._chunk_seeds():
             return Prefetcher(packed, self._features, self._device, self._cfg.train.prefetch)
         return contextlib.nullcontext(self._prepare(p) for p in packed)
 
@@ -108,6 +142,30 @@ class Evaluator:
         mb = MiniBatch.unpack(ids)
         mb.x = self._slot.gather(self._features, mb.input_nodes.numpy())
         return mb.to(self._device)
+
+
+ROWS_AT_LEAST = 2**17  # an evaluation batch may hold this many rows whatever the graph's size
+
+
+def row_bound(num_nodes: int, slots: int) -> int:
+    """Rows an evaluation batch gathers at most by default: ``slots`` prepared batches (the prefetcher's), each
+    in buffers that grow by a quarter beyond their need, together hold at most half the feature table's rows (the
+    table is in the object store once per node; evaluation adds at most half as much again), or
+    :data:`ROWS_AT_LEAST` each."""
+    return max(ROWS_AT_LEAST, int(num_nodes / (2 * 1.25 * slots)))
+
+
+def rows_per_seed_at_most(graph: Graph, fanouts) -> int:
+    """Rows one seed can sample: each layer's fanouts (all relations', on a typed graph) all new nodes, a
+    fanout of -1 or above the largest in-degree counting as that degree."""
+    most = int(np.diff(graph.indptr).max()) if graph.num_nodes else 0
+    unlisted = max(1, graph.num_relations) - len(fanouts.relations)  # relations on the default list
+    rows = frontier = 1
+    for i, layer in enumerate(fanouts.layers):
+        per = [layer] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]
+        frontier *= min(most, sum(f if 0 <= f <= most else most for f in per))
+        rows += frontier
+    return min(rows, max(1, graph.num_nodes))
 
 
 class _Here:

@@ -127,10 +127,8 @@ def train_loop(config: dict) -> None:
     if begin.checkpoint and embedding or isinstance(embedding, ShardedEmbedding):
         embedding.load(begin.checkpoint)
 
-    # 3. Ray Train: wrap the model in DDP and move it to this worker's device. GPU ranks take torch's fused
-    # SyncBatchNorm (the state is BatchNorm's either way, so checkpoints interchange).
-    if device.type == "cuda" and world > 1:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # 3. Ray Train: wrap the model in DDP and move it to this worker's device. GPU ranks keep gnnray's
+    # SyncBatchNorm too: torch's reads back to the host on every call (gnnray.train.model.SyncBatchNorm).
     model = ray.train.torch.prepare_model(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     best_val = 0.0

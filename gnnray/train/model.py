@@ -14,8 +14,8 @@ wheel cannot run on a GPU.
 Typed graphs: layers carry each edge's relation (``Layer.etype``). The relational models
 (``--model rgat|rsage``) run one convolution per relation and sum them;
 sage, gat and gcn ignore the types. RGAT's BatchNorms are :class:`SyncBatchNorm`:
-their training statistics span all DDP ranks, as in the MAG240M example (on CUDA
-ranks the loop converts them to ``nn.SyncBatchNorm``).
+their training statistics span all DDP ranks, as in the MAG240M example, on CPU
+and CUDA ranks alike.
 
 The built-in models (``--model sage|gat|gcn|rgat|rsage``) also expose
 ``layer(i, layer, h)``: layer ``i`` with the activation and dropout that
@@ -146,17 +146,18 @@ def relation_patterns(layer, num_relations: int) -> tuple[Csr, Csr]:
 
 
 class SyncBatchNorm(nn.BatchNorm1d):
-    """BatchNorm1d whose training statistics span all DDP ranks, on CPUs and GPUs alike.
+    """BatchNorm1d whose training statistics span all DDP ranks, on CPUs and GPUs alike, with no host sync.
 
-    torch 2.2's ``nn.SyncBatchNorm`` cannot serve CPU ranks: its forward
-    refuses CPU tensors and DDP refuses to wrap a CPU module that holds one.
-    So the batch's sum and sum of squares (float64) are all-reduced here with
-    the autograd-aware ``torch.distributed.nn.functional.all_reduce`` (its
-    backward sums the gradients of all ranks, as torch's own does).
-    ``nn.SyncBatchNorm.convert_sync_batchnorm`` converts it like any
-    BatchNorm, for GPU ranks that prefer torch's fused kernels. Without a
-    process group, with one rank, or in eval mode it is plain BatchNorm; its
-    state is ``nn.BatchNorm1d``'s, so checkpoints load either way.
+    The batch's sum and sum of squares (float64, from each rank's fused
+    mean and variance) and its row count are all-reduced with the autograd-aware
+    ``torch.distributed.nn.functional.all_reduce`` (its backward sums the
+    gradients of all ranks, as torch's own does). An empty rank adds zeros,
+    so nothing depends on which ranks had rows. torch's ``nn.SyncBatchNorm``
+    instead drops empty ranks' statistics with a boolean mask, which reads the
+    counts back to the host on every call (a GPU step then waits for its queue
+    to drain), and it refuses CPU tensors. Without a process group, with one
+    rank, or in eval mode it is plain BatchNorm; its state is
+    ``nn.BatchNorm1d``'s, so checkpoints load either way.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,13 +165,22 @@ class SyncBatchNorm(nn.BatchNorm1d):
 
         if not self.training or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return super().forward(x)
+        return self.synced(x)
+
+    def synced(self, x: torch.Tensor) -> torch.Tensor:
+        """The synchronised training path that :meth:`forward` takes on 2+ ranks (``bench.gpu.syncs`` forces it on
+        one rank, to count its host syncs)."""
+        import torch.distributed as dist
         from torch.distributed.nn.functional import all_reduce
 
         group = dist.group.WORLD
-        # One reduction of sum, sum of squares and count; in float64, so that E[x^2] - E[x]^2 keeps its
-        # precision where |mean| >> std (each collective waits for every rank: one, not two, per pass).
-        c, xd = x.shape[1], x.double()
-        sums = all_reduce(torch.cat([xd.sum(0), (xd * xd).sum(0), xd.new_full((1,), x.shape[0])]), group=group)
+        # One reduction of sum, sum of squares and count (each collective waits for every rank: one, not two,
+        # per pass). Each rank's rows in one fused pass of its own precision, centred on its own mean; only the
+        # per-channel sums are float64, so that E[x^2] - E[x]^2 keeps its precision where |mean| >> std.
+        c, n = x.shape[1], x.shape[0]
+        var, mean = torch.var_mean(x, 0, unbiased=False) if n else (x.new_zeros(c), x.new_zeros(c))
+        mean, var = mean.double(), var.double()
+        sums = all_reduce(torch.cat([n * mean, n * (var + mean * mean), mean.new_full((1,), n)]), group=group)
         count = sums[-1]
         mean = sums[:c] / count
         var = (sums[c:2 * c] / count - mean * mean).clamp(min=0)

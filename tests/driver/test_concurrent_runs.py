@@ -1,20 +1,25 @@
-"""One host, many runs: two local runs started together each use their own cluster, and print only their own lines.
+"""One host, many runs: two local runs started together each use their own cluster, print only their own lines,
+and pin their workers to cores of their own.
 
 Each run starts its own local Ray cluster beside the session's (the job's
 subprocesses get no ``RAY_ADDRESS``, so none joins the session's cluster).
 Before the fix, Ray Train's placement-group cleaner and state actor found
 "the" cluster by themselves among several on the machine: they raised
 "Found multiple active Ray instances" or joined another run's cluster.
+Before each run planned for its share of the host, both pinned their worker to
+the same first cores, each with threads for every core.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 
 from drills import REPO, SMALL
+from gnnray.cpus import node_cpus
 
 # What a run prints (gnnray's own lines); anything else on its console is Ray's.
 OWN_LINE = re.compile(r"^(ray: |graph |cpu plan: |epoch=\d+ |layer-wise inference: |best_val_acc=)")
@@ -22,7 +27,7 @@ CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray 
                           r"every node\), dashboard (\S+)$")
 
 
-def test_two_local_runs_at_once_each_use_their_own_cluster(tmp_path):
+def test_two_local_runs_at_once_each_use_their_own_cluster_and_cores(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     runs = [subprocess.Popen([sys.executable, "jobs/train_arxiv.py", *SMALL, "--num-workers", "1", "--epochs", "1",
                               "--storage-path", str(tmp_path), "--name", f"run{i}"],
@@ -49,3 +54,9 @@ def test_two_local_runs_at_once_each_use_their_own_cluster(tmp_path):
         clusters.append(named[0].groups())
     (gcs0, dashboard0), (gcs1, dashboard1) = clusters
     assert gcs0 != gcs1 and dashboard0 != dashboard1, clusters
+    # What each run's worker was pinned to and computed on, as it read them back in its own process.
+    used = [json.loads((tmp_path / f"run{i}" / "metrics.jsonl").read_text().splitlines()[-1]) for i in range(2)]
+    host = node_cpus()
+    cores = [set(u["cpu_cores"]) for u in used]
+    assert all(c < set(host.ids) for c in cores) and not cores[0] & cores[1], used  # both pinned, disjoint
+    assert sum(u["cpu_threads"] for u in used) <= host.cores, used  # together no more than the host has

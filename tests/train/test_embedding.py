@@ -94,6 +94,22 @@ def test_sparse_updates_across_ranks_match_dgl(rank_tables):
     np.testing.assert_allclose(rank_tables[0], ref, rtol=0, atol=1e-6)
 
 
+def test_two_ranks_reduce_as_one_process_that_saw_both_lookups(rank_tables):
+    """Without DGL: two gloo ranks (ids exchanged, the union's rows all-reduced) end with the table one process
+    makes from each step's lookups of both ranks together, a row looked up twice counted twice in its mean."""
+    rank0, rank1 = rank_tables
+    np.testing.assert_array_equal(rank0, rank1)
+    one = NodeEmbedding(N, DIM, LR, seed=5)
+    for step in range(2):
+        ids = LOOKUPS[0][step] + LOOKUPS[1][step]
+        rows = one(torch.tensor(ids))
+        k = len(LOOKUPS[0][step])
+        (rows[:k].pow(2).sum() + (rows[k:] * 2.0).pow(2).sum()).backward()  # each rank's loss on its rows
+        one.step()
+    np.testing.assert_allclose(rank0, one.store.weight.numpy(), rtol=0, atol=1e-6)
+    assert not np.allclose(rank0, init_rows(5, 0, N, DIM))
+
+
 def test_rows_first_touched_late_move_by_about_lr():
     """Per-row step counts (DGL's): a row's first update moves each coordinate by about lr, whatever the step.
 

@@ -58,3 +58,35 @@ def test_evaluation_streams_under_its_bound(ray_cluster, big_tiny):
         evaluator.accuracy(model, "valid")
     assert evaluator.requested == evaluator.consumed == 2 * chunks
     assert 1 <= evaluator.peak_in_flight <= evaluator.max_in_flight == 5, evaluator.peak_in_flight
+
+
+def test_evaluation_batches_are_bounded_by_rows_not_seeds(big_tiny):
+    """``--eval-rows 200``: every batch gathers at most 200 feature rows, whatever ``--eval-batch-size`` (4096
+    seeds would take the whole graph in one); batches over the bound are sampled again in smaller chunks, and
+    every seed is still evaluated once (all neighbors: exactly the full graph's accuracy). Sampled here, no Ray."""
+    graph = big_tiny
+    torch.manual_seed(0)
+    model = mean_sage(graph.feat_dim, 8, graph.num_classes).eval()
+    cfg = JobConfig(sampler=SamplerConfig(fanouts=(-1, -1)), model=ModelConfig(hidden=8, dropout=0.0),
+                    train=TrainConfig(eval_rows=200, prefetch=1))
+    want = reference_accuracy(model, graph, "valid")
+    unbounded = Evaluator(graph, replace(cfg, train=TrainConfig(prefetch=1)), 0, 1, "cpu")
+    assert unbounded.accuracy(model, "valid") == pytest.approx(want, abs=1e-6)
+    assert unbounded.peak_rows > 200 and unbounded.requested == 1  # the default bound: one batch of it all
+    evaluator = Evaluator(graph, cfg, 0, 1, "cpu")
+    assert evaluator.accuracy(model, "valid") == pytest.approx(want, abs=1e-6)
+    assert 0 < evaluator.peak_rows <= evaluator.max_rows == 200 and evaluator.requested > 5
+    # First chunks sized above the bound (as a wrong estimate would be): dropped, sampled again, still exact.
+    dropping = Evaluator(graph, cfg, 0, 1, "cpu")
+    dropping._first_seeds = 50
+    assert dropping.accuracy(model, "valid") == pytest.approx(want, abs=1e-6)
+    assert dropping.resampled >= 1 and dropping.peak_rows <= 200
+
+
+def test_default_row_bound_follows_the_feature_table():
+    """Half the table's rows over the prefetcher's buffers (a quarter of growth each), at least 2^17 per batch: a
+    products-sized graph's 4,096-seed batch (about 2 M rows) is cut to a fraction of it."""
+    from gnnray.train.evaluate import ROWS_AT_LEAST, row_bound
+
+    assert row_bound(2_449_029, 4) == 244_902 and 4 * 1.25 * row_bound(2_449_029, 4) <= 2_449_029 / 2 + 4
+    assert row_bound(2708, 4) == ROWS_AT_LEAST  # cora: one batch holds it all

@@ -1,0 +1,182 @@
+"""Host syncs of the step's two collectives, on one device: ``bench.gpu``'s rows ``syncs embedding`` and ``syncs rgat``.
+
+Both run under a one-rank process group (NCCL on CUDA, gloo on the CPU), so the
+code takes its multi-rank path on one GPU; the collectives then move nothing,
+and what is counted is what the path asks of the host:
+
+- ``syncs embedding``: ``train_epoch`` with ``--embedding-dim`` (SAGE over
+  features and a :class:`~gnnray.train.embedding.NodeEmbedding`, fed by the
+  ``Prefetcher``): the ids' exchange, the gradient scattered into the union's
+  rows, its all-reduce and the reduced rows' copy to the host table, the step's
+  one read-back by design (the table is on the host);
+- ``syncs rgat``: rgat's ``train_epoch`` with its BatchNorms on their
+  synchronised path (:meth:`~gnnray.train.model.SyncBatchNorm.synced`, forced
+  on one rank), and one BatchNorm call (forward and backward) of gnnray's and
+  of torch's ``nn.SyncBatchNorm`` (its autograd function, called with the
+  one-rank group; CUDA only, plain BatchNorm on the CPU): host syncs and time
+  of each, and their input gradients compared.
+
+Host syncs are counted with torch's sync debug mode (CUDA only: on the CPU the
+rows check that the paths run and agree, and count nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import warnings
+
+import numpy as np
+import torch
+
+EMBEDDING_DIM = 16
+STEPS = 4  # syncs per step = (count over 2 x STEPS steps - count over STEPS) / STEPS: the epoch's end cancels out
+
+
+@contextlib.contextmanager
+def one_rank_group(dev: torch.device):
+    """A one-rank default process group: NCCL on CUDA, gloo on the CPU."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1, **({"device_id": dev} if dev.type == "cuda" else {}))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def count_syncs(fn) -> int:
+    """Host syncs while ``fn()`` runs, by torch's sync debug mode (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        fn()
+        return 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # Not "synchroniz" alone: the mode's own first notice ("... does not yet detect all synchronizing operations").
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
+
+
+def embedding_row(dev: torch.device, z: dict) -> dict:
+    """Host syncs and time per ``train_epoch`` step with a learnable embedding, on the multi-rank path."""
+    import time
+
+    from bench.gpu import batches, models
+    from gnnray.pipeline.prefetch import Prefetcher
+    from gnnray.train.embedding import NodeEmbedding
+    from gnnray.train.step import train_epoch
+
+    # Batches drawn from the same ids: rows a step updates recur in the next batches (re-read when taken).
+    rows, feat = batches.synthetic_rows(np.random.default_rng(3), 2 * STEPS, z["batch"], z["fanouts"], z["classes"],
+                                    z["in_feats"])
+    with one_rank_group(dev):
+        torch.manual_seed(0)
+        table = NodeEmbedding(feat.shape[0], EMBEDDING_DIM, 0.01)
+        model = batches.build("sage", dict(z, in_feats=z["in_feats"] + EMBEDDING_DIM)).to(dev)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        seconds = {}
+
+        def epoch(steps: int) -> dict:
+            with Prefetcher(rows[:steps], feat, dev, depth=2, embedding=table) as batches:
+                t = time.perf_counter()
+                out = train_epoch(model, optimizer, batches, steps, z["classes"], dev, embedding=table)
+                seconds[steps] = time.perf_counter() - t
+                return out
+
+        epoch(STEPS)  # warm-up: allocator, Adam's state, the table's first rows
+        syncs = (count_syncs(lambda: epoch(2 * STEPS)) - count_syncs(lambda: epoch(STEPS))) / STEPS
+        loss = epoch(2 * STEPS)["loss"]
+    moved = int((table.store.step_count > 0).sum())
+    return dict(host_syncs_per_step=syncs if dev.type == "cuda" else None, step_s=seconds[2 * STEPS] / (2 * STEPS),
+                loss=loss, rows_updated=moved, met=bool(np.isfinite(loss) and moved > 0
+                                                        and (dev.type != "cuda" or syncs <= 1)))
+
+
+def rgat_row(dev: torch.device, z: dict) -> dict:
+    """rgat's steps with synchronised BatchNorms, and one BatchNorm call of gnnray's against torch's."""
+    import torch.distributed as dist
+
+    from bench.gpu import batches, models
+    from gnnray.train.model import SyncBatchNorm
+
+    rng = np.random.default_rng(4)
+    mb = batches.synthetic_batch(rng, z["batch"], z["fanouts"], z["classes"], batches.RELATIONS)
+    mb.x = torch.from_numpy(rng.standard_normal((mb.input_nodes.shape[0], z["in_feats"]), dtype=np.float32))
+    mb = mb.to(dev)
+    width = z["hidden"]
+    x = (3 + 2 * torch.randn(z["batch"] * 4, width, device=dev)).requires_grad_()
+    w = torch.randn(z["batch"] * 4, width, device=dev)  # the loss's weights: sum(y^2) would have no gradient
+    with one_rank_group(dev):
+        torch.manual_seed(0)
+        model = batches.build("rgat", z).to(dev)
+        with _synced_norms():
+            step_syncs = models.syncs_per_step(model, mb, z) if dev.type == "cuda" else None
+        ours, theirs = SyncBatchNorm(width).to(dev), torch.nn.BatchNorm1d(width).to(dev)
+
+        def ours_call():
+            x.grad = None
+            (ours.synced(x) * w).sum().backward()
+
+        def theirs_call():  # torch's nn.SyncBatchNorm's own function, as its forward calls it on 2+ ranks (CUDA
+            from torch.nn.modules._functions import SyncBatchNorm as TorchSync  # only: plain BatchNorm on the CPU)
+
+            x.grad = None
+            y = TorchSync.apply(x, theirs.weight, theirs.bias, theirs.running_mean, theirs.running_var, theirs.eps,
+                                theirs.momentum, dist.group.WORLD, 1) if dev.type == "cuda" else theirs(x)
+            (y * w).sum().backward()
+
+        ours_call()
+        grad_ours = x.grad.clone()
+        theirs_call()
+        diff = float((grad_ours - x.grad).abs().max() / x.grad.abs().max())
+        row = dict(step_host_syncs=step_syncs, bn_call_host_syncs=count_syncs(ours_call),
+                   torch_bn_call_host_syncs=count_syncs(theirs_call), input_grad_rel_diff=diff,
+                   bn_call_s=batches.median_s(ours_call, dev, z["reps"]),
+                   torch_bn_call_s=batches.median_s(theirs_call, dev, z["reps"]))
+    no_syncs = row["step_host_syncs"] == 0 and row["bn_call_host_syncs"] == 0
+    row["met"] = diff <= 1e-4 and (dev.type != "cuda" or no_syncs)
+    if dev.type != "cuda":
+        row["bn_call_host_syncs"] = row["torch_bn_call_host_syncs"] = None
+    return row
+
+
+@contextlib.contextmanager
+def _synced_norms():
+    """gnnray's SyncBatchNorms take their synchronised path on one rank (as they would on two or more)."""
+    from gnnray.train.model import SyncBatchNorm
+
+    plain = SyncBatchNorm.forward
+    SyncBatchNorm.forward = lambda self, x: SyncBatchNorm.synced(self, x) if self.training else plain(self, x)
+    try:
+        yield
+    finally:
+        SyncBatchNorm.forward = plain
+
+
+def jobs(dev: torch.device, z: dict) -> list:
+    """``bench.gpu``'s rows of this module: (name, function) pairs."""
+    return [("syncs embedding", lambda: embedding_row(dev, z)), ("syncs rgat", lambda: rgat_row(dev, z))]
+
+
+def text(name: str, r: dict, device: str) -> str:
+    """A row's figures in one line of ``bench.gpu``'s table."""
+    def n(v) -> str:
+        return "n/a (no CUDA)" if v is None else f"{v:g}"
+
+    if name == "syncs embedding":
+        return (f"--embedding-dim {EMBEDDING_DIM}: {n(r['host_syncs_per_step'])} host syncs/step (1 by design: the "
+                f"reduced gradient to the host table), {1000 * r['step_s']:.2f} ms/step on {device}, "
+                f"{r['rows_updated']:,} rows updated")
+    return (f"synced BatchNorms: {n(r['step_host_syncs'])} host syncs/step; one BatchNorm call: gnnray "
+            f"{n(r['bn_call_host_syncs'])} syncs {1000 * r['bn_call_s']:.2f} ms, torch "
+            f"{'nn.SyncBatchNorm' if device.startswith('cuda') else 'BatchNorm1d (no CPU SyncBatchNorm)'} "
+            f"{n(r['torch_bn_call_host_syncs'])} syncs {1000 * r['torch_bn_call_s']:.2f} ms; input grad rel diff "
+            f"{r['input_grad_rel_diff']:.1e}")
