@@ -38,17 +38,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _measure(kind: str, location: str, rows: int, dim: int) -> dict:
-    """In this (fresh) process: write a shard of ``rows`` x ``dim`` at ``location``, or read a third of it."""
+def _measure(kind: str, location: str, rows: int, dim: int, background: bool = False) -> dict:
+    """In this (fresh) process: write a shard of ``rows`` x ``dim`` at ``location``, or read a third of it;
+    ``background``: with pyarrow's default S3 filesystem (background writes), the baseline gnnray turns off."""
     import resource
     import time
 
     import numpy as np
-    import pyarrow.fs  # noqa: F401 (loaded in any process that runs a job: Ray's own imports load it)
+    import pyarrow.fs  # loaded in any process that runs a job: Ray's own imports load it
 
     from gnnray import storage
     from gnnray.train import checkpoint
 
+    if background:
+        storage._filesystem = lambda root: pyarrow.fs.FileSystem.from_uri(root)
     storage.size(storage.join(location, "warm-up"))  # the filesystem made and connected before the clock starts
 
     def peak_mib() -> float:
@@ -75,9 +78,12 @@ def _measure(kind: str, location: str, rows: int, dim: int) -> dict:
     return {"seconds": seconds, "extra_mib": peak_mib() - before - read, "table_mib": read}
 
 
-def _in_fresh_process(kind: str, location: str, rows: int, dim: int, env: dict) -> dict:
-    code = (f"import json, bench.storage as b; print(json.dumps(b._measure({kind!r}, {location!r}, {rows}, {dim})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+def _in_fresh_process(kind: str, location: str, rows: int, dim: int, env: dict, background: bool = False) -> dict:
+    code = (f"import json, bench.storage as b; "
+            f"print(json.dumps(b._measure({kind!r}, {location!r}, {rows}, {dim}, {background})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{kind} at {location} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -116,10 +122,11 @@ def main(argv=None) -> None:
     p.add_argument("--requests", action="store_true", help="count the requests of a whole run instead")
     a = p.parse_args(argv)
     sys.path.insert(0, str(REPO / "tests"))
-    from s3_server import S3Server
+    from gnnray import storage
+    from s3_server import start_for_session
 
-    server = S3Server()
-    env = dict(os.environ, **server.environment(), PYTHONPATH=str(REPO))
+    server = start_for_session()  # its endpoint and credentials in this process's environment, and the runs'
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("RAY_ADDRESS", None)  # the run starts its own local cluster
     if a.requests:
         try:
@@ -131,19 +138,24 @@ def main(argv=None) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="gnnray-bench-storage-") as tmp:
             for r in range(a.rounds):
-                places = {"file": os.path.join(tmp, f"r{r}"), "s3": server.fresh_prefix(f"bench-r{r}")}
+                places = {"file": os.path.join(tmp, f"r{r}"), "s3": server.fresh_prefix(f"bench-r{r}"),
+                          "s3-bg": server.fresh_prefix(f"bench-bg-r{r}")}
                 for where, location in places.items():
-                    for kind in ("write", "read"):
+                    for kind in ("write",) if where == "s3-bg" else ("write", "read"):
                         results.setdefault((where, kind), []).append(
-                            _in_fresh_process(kind, location, a.rows, a.dim, env))
+                            _in_fresh_process(kind, location, a.rows, a.dim, env, where == "s3-bg"))
+                    fs, path = storage.resolve(location)
+                    fs.delete_dir(path)  # moto's server holds its objects in memory
     finally:
         server.stop()
-    print(f"embedding shard of {a.rows:,} x {a.dim} (rows, moments, steps); medians of {a.rounds} rounds")
-    print(f"{'where':6} {'what':18} {'seconds':>8} {'table MiB':>10} {'extra peak MiB':>15}")
+    print(f"embedding shard of {a.rows:,} x {a.dim} (rows, moments, steps); medians of {a.rounds} rounds; "
+          "s3-bg: pyarrow's default background writes (the baseline)")
+    print(f"{'where':6} {'what':16} {'seconds':>8} {'table MiB':>10} {'extra peak MiB':>15} {'extra/table':>12}")
     for (where, kind), runs in results.items():
         what = "write the shard" if kind == "write" else "read a third"
         med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "table_mib", "extra_mib")}
-        print(f"{where:6} {what:18} {med['seconds']:8.2f} {med['table_mib']:10.1f} {med['extra_mib']:15.1f}")
+        print(f"{where:6} {what:16} {med['seconds']:8.2f} {med['table_mib']:10.1f} {med['extra_mib']:15.1f} "
+              f"{med['extra_mib'] / med['table_mib']:12.2f}")
 
 
 if __name__ == "__main__":

@@ -67,10 +67,11 @@ def _filesystem(root: str):
 
     fs, base = pyarrow.fs.FileSystem.from_uri(root)
     if isinstance(fs, pyarrow.fs.S3FileSystem):
-        # Background writes keep every part in flight in memory: on a store slower than the writer, the whole
-        # file and more (writing 122 MiB to moto's server: +164 MiB of peak memory, +29 MiB without them).
+        # Background writes keep every part in flight in memory: on a store slower than the writer, much of the
+        # file (writing a 370 MiB shard to moto's server: +164 MiB of peak memory, +28 MiB without them,
+        # bench/storage.py). A delayed open makes a small file one request instead of a multipart upload's three.
         rebuild, (options,) = fs.__reduce__()  # from_uri's options, as pickling carries them
-        fs = rebuild({**options, "background_writes": False})
+        fs = rebuild({**options, "background_writes": False, "allow_delayed_open": True})
     return fs, base
 
 
