@@ -117,7 +117,8 @@ def report(metrics: dict, model, optimizer, rank: int, run_dir: Optional[str],
            embedding: Optional[EmbeddingTable] = None, config: Optional[dict] = None, save: bool = True) -> None:
     """Report an epoch's ``metrics`` to Ray Train (every rank, every epoch); rank 0 first appends them to
     ``run_dir``'s :data:`METRICS_LOG` and, with ``save``, attaches a checkpoint written there (``config`` stored
-    in it). Without ``run_dir``: no log, and the checkpoint goes to Ray Train's run directory."""
+    in it). Without ``run_dir`` (where Ray Train's storage is a local directory): no log, and the checkpoint goes
+    to Ray Train's run directory."""
     import ray.train
 
     if rank != 0:
