@@ -27,9 +27,10 @@ STORAGE_KINDS = pytest.mark.parametrize("storage_path", ["file", "s3"], indirect
 
 
 class S3Server:
-    """moto's S3 server on ``127.0.0.1`` and a free port, started at once; :meth:`wait` until it answers."""
+    """moto's S3 server on ``127.0.0.1`` and a free port, started at once; :meth:`wait` until it answers.
+    ``check_credentials``: it refuses keys it does not know (all of them: it knows none), as S3 would."""
 
-    def __init__(self):
+    def __init__(self, check_credentials: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -37,7 +38,8 @@ class S3Server:
         self._dir = tempfile.TemporaryDirectory(prefix="gnnray-moto-")  # its recordings (:meth:`recording`)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], cwd=self._dir.name,
-            env=dict(os.environ, MOTO_RECORDER_FILEPATH=os.path.join(self._dir.name, "recording")),
+            env=dict(os.environ, MOTO_RECORDER_FILEPATH=os.path.join(self._dir.name, "recording"),
+                     **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if check_credentials else {})),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._ready = False
 
@@ -47,8 +49,8 @@ class S3Server:
                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
-    def wait(self, timeout_s: float = 60.0) -> "S3Server":
-        """Wait until the server answers, then make the tests' bucket (once)."""
+    def wait(self, timeout_s: float = 60.0, bucket: bool = True) -> "S3Server":
+        """Wait until the server answers, then make the tests' bucket (once, with ``bucket``)."""
         if self._ready:
             return self
         deadline = time.monotonic() + timeout_s
@@ -60,6 +62,8 @@ class S3Server:
             except OSError:
                 assert time.monotonic() < deadline, f"moto's server did not answer within {timeout_s:.0f} s"
                 time.sleep(0.1)
+        if not bucket:
+            return self
         import pyarrow.fs
 
         pyarrow.fs.S3FileSystem(endpoint_override=self.endpoint, allow_bucket_creation=True,
