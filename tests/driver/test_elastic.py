@@ -253,7 +253,7 @@ def test_elastic_run_restarts_within_one_fit(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow  # a resize waits for Ray Data's view of the nodes (20 s refresh): about 2 min here
-def test_elastic_run_grows_keeping_its_run_in_a_bucket(cluster, ray_cluster, s3_server, tmp_path, monkeypatch):
+def test_elastic_run_grows_keeping_its_run_in_a_bucket(cluster, ray_cluster, s3_server, tmp_path):
     """--num-workers 1,2 with --storage-path s3://...: the run starts on the head alone; a node joins and the group
     of 2 resumes from the checkpoint within the epoch, found and read in the bucket, as are workers.jsonl and the
     metrics the driver prints; every step of every epoch is trained, at most --checkpoint-every twice."""
@@ -262,8 +262,6 @@ def test_elastic_run_grows_keeping_its_run_in_a_bucket(cluster, ray_cluster, s3_
 
     from gnnray import storage
 
-    for k, v in RAY_ENV.items():
-        monkeypatch.setenv(k, v)
     where, name = s3_server.fresh_prefix("elastic"), "grow"
     records = tmp_path / "records"
     records.mkdir()
@@ -288,12 +286,15 @@ def test_elastic_run_grows_keeping_its_run_in_a_bucket(cluster, ray_cluster, s3_
         cluster.wait_for_nodes()
     print(out.getvalue())
     assert job.error is None, repr(job.error)
+    # On a busy machine a group may also be restarted (a start that timed out): sizes are 1 first, then 2.
     starts = [e for e in events(run_dir) if e["event"] == "start"]
-    assert [e["world_size"] for e in starts] == [1, 2] and starts[1]["checkpoint"].startswith(run_dir + "/")
+    grew = next(e for e in starts if e["world_size"] == 2)
+    assert starts[0]["world_size"] == 1 and grew["checkpoint"].startswith(run_dir + "/checkpoint_"), starts
     assert "workers: 1 -> 2 (grew: nodes joined), resuming at epoch" in out.getvalue()
     assert "epoch=2 " in out.getvalue() and "workers=2" in out.getvalue()
     groups = attempts(recorded_steps(records, args), steps_per_epoch(args))
-    assert [w for w, _ in groups] == [1, 2] and 0 <= replays(groups)[0] <= EVERY
+    worlds = [w for w, _ in groups]
+    assert worlds[0] == 1 and 2 in worlds and all(0 <= r <= EVERY for r in replays(groups)), groups
     assert sorted({g for _, gs in groups for g in gs}) == list(range(3 * steps_per_epoch(args)))
     assert sorted({m["epoch"] for m in logged(where, name)}) == [0, 1, 2]
     assert job.summary.checkpoint.startswith(run_dir + "/checkpoint_")

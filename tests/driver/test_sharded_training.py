@@ -124,6 +124,7 @@ def test_typed_graph_trains_on_sharded_features(shard_nodes, tmp_path):
     assert sharded.metrics["remote_bytes_per_batch"] > 0
 
 
+@pytest.mark.slow  # a run of 3 epochs and a restart on three shard nodes: about 2.5 min here
 def test_a_killed_embedding_owner_restarts_from_the_bucket(shard_nodes, s3_server, tmp_path, capsys):
     """--embedding-dim with --feature-shards 3, the run kept in a bucket: an embedding owner is killed (SIGKILL)
     after epoch 0's checkpoint; the attempt fails naming its shard, and the driver's restart makes new owners,
