@@ -38,5 +38,6 @@ step  file                        runs on                 output
   with ``--feature-shards``); ``inference/layerwise.py`` runs the same code in
   one Ray task for ``jobs/predict.py``.
 - Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
-  ``metrics.py`` (Prometheus metrics of workers and sampler actors).
+  ``metrics.py`` (Prometheus metrics of workers and sampler actors), ``storage.py`` (the files a run keeps, in a
+  directory or an object store, through ``pyarrow.fs``).
 """

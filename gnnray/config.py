@@ -237,8 +237,9 @@ class RunConfig(_Options):
 
     name: str = option("gnnray", "run name; the same name and storage path resume the run",
                        check=lambda v: bool(v) and "/" not in v, need="must be a non-empty name without '/'")
-    storage_path: str = option(DEFAULT_STORAGE_PATH, "where checkpoints are kept (a directory; shared storage on "
-                               "several nodes)")
+    storage_path: str = option(DEFAULT_STORAGE_PATH, "where runs are kept (checkpoints, metrics): a directory "
+                               "(shared storage on several nodes) or an object store, s3://BUCKET/PREFIX (gs://, "
+                               "abfs://: any URI pyarrow.fs resolves)")
     max_failures: int = option(0, "restarts from the last checkpoint before giving up", **at_least(0))
     keep_checkpoints: int = option(2, "checkpoints kept per run", **at_least(1))
     checkpoint_interval: float = option(60.0, "write a checkpoint at an epoch's end only once this many seconds "

@@ -1,6 +1,7 @@
 """Predict every node from a training checkpoint with layer-wise full-neighbor inference.
 
     python jobs/predict.py --checkpoint ~/.gnnray/runs/NAME --output preds.parquet [--embeddings]
+    python jobs/predict.py --checkpoint s3://BUCKET/runs/NAME --output s3://BUCKET/preds/NAME.parquet
 
 writes one row per node: ``id``, ``pred`` (the predicted class) and, with
 ``--embeddings``, ``embedding`` (the input of the model's output layer). The

@@ -13,6 +13,7 @@ import pytest
 
 from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
+from s3_server import start_for_session
 from shared_runs import script_run  # noqa: F401  (a session fixture: one script run read by several modules)
 
 os.environ.setdefault("DGLBACKEND", "pytorch")  # read by DGL where the dgl extra is installed
@@ -66,7 +67,25 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def s3_server():
+    """An S3-compatible server on the loopback (tests/s3_server.py), its endpoint and dummy credentials in the
+    environment of this process and of all it starts after: the session's cluster depends on it."""
+    server = start_for_session()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def storage_path(request, tmp_path) -> str:
+    """Where a test's run keeps its files: ``tmp_path``, or with ``s3_server.STORAGE_KINDS``'s ``"s3"`` a fresh
+    prefix of the test bucket (``s3://gnnray-tests/...``)."""
+    if getattr(request, "param", "file") == "file":
+        return str(tmp_path)
+    return request.getfixturevalue("s3_server").fresh_prefix()
+
+
+@pytest.fixture(scope="session")
+def cluster(s3_server):
     """The session's Ray cluster (``ray.cluster_utils.Cluster``), started once (10-40 s here).
 
     Its head has six logical CPUs on two cores, so two train workers, two

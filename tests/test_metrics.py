@@ -8,6 +8,7 @@ import pytest
 
 from gnnray.config import parse_args
 from gnnray.driver.console import epoch_line
+from s3_server import STORAGE_KINDS
 from gnnray.pipeline.seeds import steps_per_epoch
 from shared_runs import SCRIPT_EPOCHS
 
@@ -76,18 +77,20 @@ def test_driver_prints_eta_per_epoch(monitored_run):
     assert eta >= 0 and " eta=" not in last and " test_acc=" in last  # nothing left after the last epoch
 
 
-def test_epoch_printer_eta(tmp_path, capsys):
-    """Before a second line arrives, the ETA is the epochs left times rank 0's epoch time; none after the last."""
+@STORAGE_KINDS
+def test_epoch_printer_eta(storage_path, capsys):
+    """Before a second line arrives, the ETA is the epochs left times rank 0's epoch time; none after the last.
+    The driver reads the lines where rank 0 keeps them, in a directory or a bucket (its log rewritten whole)."""
     import json
 
+    from gnnray import storage
     from gnnray.driver.console import EpochPrinter
 
-    log = tmp_path / "metrics.jsonl"
+    log = storage.join(storage_path, "metrics.jsonl")
     m = dict(epoch=0, loss=1.0, train_acc=0.5, val_acc=0.5, seeds_per_s=100.0, data_wait=0.1, epoch_time=10.0)
-    log.write_text(json.dumps(dict(m, epoch=-1)) + "\n")  # before the printer starts: a resumed run's, not printed
-    with EpochPrinter(str(tmp_path), epochs=3, bar=False):
-        with log.open("a") as f:  # prints at the latest when it stops
-            f.write(json.dumps(m) + "\n" + json.dumps(dict(m, epoch=2, test_acc=0.5)) + "\n")
+    storage.append(log, (json.dumps(dict(m, epoch=-1)) + "\n").encode())  # a resumed run's: not printed
+    with EpochPrinter(storage_path, epochs=3, bar=False):  # prints at the latest when it stops
+        storage.append(log, (json.dumps(m) + "\n" + json.dumps(dict(m, epoch=2, test_acc=0.5)) + "\n").encode())
     first, last = capsys.readouterr().out.splitlines()
     assert first.startswith("epoch=0 ") and first.endswith(" eta=20s")
     assert last.startswith("epoch=2 ") and " eta=" not in last

@@ -17,12 +17,12 @@ K=3 train on identical features.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+from gnnray import storage
 from gnnray.errors import DatasetError
 
 # Rows per generator chunk: a row's values depend only on the seed and its chunk, not on the range asked for.
@@ -152,11 +152,11 @@ class SpilledRows(FeatureSource):
     bounds: tuple
 
     def __post_init__(self):
-        first = _open_spill(self.files[0])
-        self.num_rows, self.dim, self.dtype = self.bounds[-1], first.shape[1], first.dtype
+        shape, dtype = _read_spill(storage.npy_header, self.files[0])
+        self.num_rows, self.dim, self.dtype = self.bounds[-1], shape[1], dtype
 
     def rows(self, lo, hi, label=None):
-        parts = [_open_spill(f)[max(lo, a) - a:min(hi, b) - a] for f, a, b in self._files(lo, hi)]
+        parts = [_read_spill(storage.npy_rows, f, max(lo, a) - a, min(hi, b) - a) for f, a, b in self._files(lo, hi)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def part(self, lo, hi):
@@ -168,13 +168,14 @@ class SpilledRows(FeatureSource):
         return [(f, b[i], b[i + 1]) for i, f in enumerate(self.files) if b[i] < hi and b[i + 1] > lo]
 
 
-def _open_spill(path: str) -> np.ndarray:
+def _read_spill(read, location: str, *args):
+    """``read(location, *args)`` (a :mod:`gnnray.storage` reader), or the error that says what this node lacks."""
     try:
-        return np.load(path, mmap_mode="r")
+        return read(location, *args)
     except OSError as exc:
-        raise DatasetError(f"{path}: cannot read this spilled feature shard on this node ({exc}); with several "
-                           f"nodes --storage-path must be shared storage that every node mounts at the same "
-                           f"path") from None
+        raise DatasetError(f"{location}: cannot read this spilled feature shard on this node ({exc}); with several "
+                           f"nodes --storage-path must be an object store or shared storage that every node mounts "
+                           f"at the same path") from None
 
 
 def spill(source: FeatureSource, bounds: np.ndarray, directory: str, dtype: str,
@@ -182,19 +183,15 @@ def spill(source: FeatureSource, bounds: np.ndarray, directory: str, dtype: str,
     """``source`` written once as one ``.npy`` file per shard (rows ``bounds[i]:bounds[i + 1]``, as ``dtype``)
     under ``directory`` if it holds its rows in this process; any other source as it is.
 
-    Files are written under a temporary name and renamed, so a reader never sees half a file.
+    ``directory`` is a path or an object store's URI (:mod:`gnnray.storage`); a reader never sees half a file.
     """
     if not source.in_memory:
         return source
-    os.makedirs(directory, exist_ok=True)
     files, k = [], len(bounds) - 1
     for i in range(k):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
-        path = os.path.join(directory, f"shard-{i}-of-{k}.npy")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            np.save(f, np.ascontiguousarray(source.rows(lo, hi, label), dtype=dtype))
-        os.replace(tmp, path)
+        path = storage.join(directory, f"shard-{i}-of-{k}.npy")
+        storage.save_npy(path, np.ascontiguousarray(source.rows(lo, hi, label), dtype=dtype))
         files.append(path)
     spilled = SpilledRows(tuple(files), tuple(int(b) for b in bounds))
     spilled.where = source.where

@@ -4,7 +4,9 @@ the summary.
 Rank 0 appends each epoch's metrics to ``metrics.jsonl`` and rewrites a small
 progress file during the epoch; an elastic run's worker groups log their starts
 and preemption notices to ``workers.jsonl``; :class:`EpochPrinter` follows them
-from a thread on the driver. Ray's own INFO logs (Train's per-report lines, Data's
+from a thread on the driver, reading them where the run keeps them (a directory
+or an object store, ``gnnray.storage``): the driver needs no disk shared with
+the workers. Ray's own INFO logs (Train's per-report lines, Data's
 execution plans) go to Ray's session logs instead of the console
 (:func:`quiet_ray`); its warnings and errors still show.
 """
@@ -12,12 +14,12 @@ execution plans) go to Ray's session logs instead of the console
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 from typing import Optional
 
+from gnnray import storage
 from gnnray.logs import quiet_console
 from gnnray.train.report import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 
@@ -132,7 +134,7 @@ class EpochPrinter:
     """Print one line per epoch as rank 0 appends to the metrics log, and a progress bar on a terminal.
 
     Args:
-        run_dir: The run's directory (``metrics.jsonl`` and the progress file).
+        run_dir: The run's directory or URI (``metrics.jsonl`` and the progress file).
         epochs: Epochs of the run, for the ETA.
         workers: An elastic run's ``--num-workers`` (MIN, MAX): also print its
             worker-group starts, resizes and preemption notices (``workers.jsonl``).
@@ -140,15 +142,15 @@ class EpochPrinter:
     """
 
     def __init__(self, run_dir: str, epochs: int, workers: Optional[tuple] = None, bar: Optional[bool] = None):
-        self._path = os.path.join(run_dir, METRICS_LOG)
-        self._progress = os.path.join(run_dir, PROGRESS_FILE)
+        self._path = storage.join(run_dir, METRICS_LOG)
+        self._progress = storage.join(run_dir, PROGRESS_FILE)
         self._epochs = epochs
         self._bar = sys.stdout.isatty() if bar is None else bar
         self._drawn = False
         self._seen: list[float] = []  # when the driver saw each epoch's line
         self._metrics = Tail(self._path)
         self._elastic = workers is not None
-        self._workers_log = Tail(os.path.join(run_dir, WORKERS_LOG))
+        self._workers_log = Tail(storage.join(run_dir, WORKERS_LOG))
         self._world: Optional[int] = None  # the last group's world size
         self._preempted: list[str] = []  # nodes drained since the last group started
         self._stop = threading.Event()
@@ -166,7 +168,12 @@ class EpochPrinter:
     def _run(self) -> None:
         while True:
             stopping = self._stop.wait(0.5)
-            self._print_new()
+            for _ in range(3 if stopping else 1):  # the last poll must not lose the run's last lines
+                try:
+                    self._print_new()
+                    break
+                except OSError:  # an object store failed a request: its lines come at the next poll
+                    time.sleep(0.5 if stopping else 0)
             if self._bar and not stopping:
                 self._draw_bar()
             if stopping:
@@ -188,8 +195,7 @@ class EpochPrinter:
 
     def _draw_bar(self, width: int = 30) -> None:
         try:
-            with open(self._progress) as f:
-                epoch, step, steps = map(int, f.read().split())
+            epoch, step, steps = map(int, storage.read_bytes(self._progress).split())
         except (OSError, ValueError):
             return
         done = int(width * step / max(steps, 1))
@@ -219,18 +225,15 @@ class EpochPrinter:
 
 
 class Tail:
-    """The complete JSON lines appended to a file since this object was made (or since its last :meth:`new`)."""
+    """The complete JSON lines appended to a file or object since this object was made (or since its last
+    :meth:`new`); only the bytes after those already seen are read."""
 
-    def __init__(self, path: str):
-        self._path = path
-        self._offset = os.path.getsize(path) if os.path.exists(path) else 0
+    def __init__(self, location: str):
+        self._location = location
+        self._offset = storage.size(location) or 0
 
     def new(self) -> list[dict]:
-        if not os.path.exists(self._path):
-            return []
-        with open(self._path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
+        data = storage.read_from(self._location, self._offset)
         complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
         self._offset += len(complete)
         return [json.loads(line) for line in complete.decode().splitlines()]

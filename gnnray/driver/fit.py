@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from gnnray import stack
+from gnnray import stack, storage
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
@@ -233,7 +233,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
-            storage_path=cfg.run.storage_path,
+            storage_path=storage.normalize(cfg.run.storage_path),  # run_dir is its NAME directory
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             # Restarts are the driver's (see run): the seed stream must restart
             # at the checkpoint's epoch, which only a new dataset can do. That
@@ -286,7 +286,7 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
-            storage_path=cfg.run.storage_path,
+            storage_path=storage.normalize(cfg.run.storage_path),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             # Ray Train restarts the group from the newest checkpoint, the stream with it (ElasticSplit):
             # failures up to --max-failures, preemptions (a drained node) whenever they come.

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from gnnray import cpus
+from gnnray import cpus, storage
 from gnnray.config import JobConfig
 from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
@@ -288,9 +288,9 @@ def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource
     from gnnray.data.features import spill
     from gnnray.data.shards import shard_bounds
 
-    run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.storage_path)), cfg.run.name)
+    run_dir = storage.join(storage.normalize(cfg.run.storage_path), cfg.run.name)  # a path or a URI
     return spill(source, shard_bounds(source.num_rows, cfg.data.feature_shards),
-                 os.path.join(run_dir, "feature-spill"), cfg.data.feature_dtype, graph.label)
+                 storage.join(run_dir, "feature-spill"), cfg.data.feature_dtype, graph.label)
 
 
 def _import_torch() -> None:

@@ -22,8 +22,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "task, on a GPU if the cluster has one) and write node id, predicted class and optionally the final "
         "embedding to Parquet.")
     p.add_argument("--checkpoint", required=True,
-                   help="a checkpoint directory, or a run directory (STORAGE_PATH/NAME: its newest valid checkpoint)")
-    p.add_argument("--output", required=True, help="Parquet file to write (columns id, pred[, embedding])")
+                   help="a checkpoint directory, or a run directory (STORAGE_PATH/NAME: its newest valid checkpoint); "
+                   "a path or a URI such as s3://BUCKET/PREFIX/NAME")
+    p.add_argument("--output", required=True,
+                   help="Parquet file to write (columns id, pred[, embedding]); a path or a URI")
     p.add_argument("--embeddings", action="store_true",
                    help="also write each node's final embedding (the input of the output layer)")
     p.add_argument("--dataset", default=None, help="override the dataset stored in the checkpoint")
@@ -33,6 +35,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if a.batch_size is not None and a.batch_size < 1:
             raise ConfigError(f"--batch-size {a.batch_size}: must be at least 1")
+        _check_output(a.output)  # before the graph loads and inference runs: no work lost to a bad --output
         cfg, directory = _checkpoint_config(a.checkpoint)
         data = dataclasses.replace(cfg.data, **{k: v for k, v in (("dataset", a.dataset), ("data_dir", a.data_dir))
                                                  if v is not None})
@@ -46,14 +49,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _check_output(output: str) -> None:
+    from gnnray import storage
+
+    try:
+        storage.check_writable(storage.parent(output))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--output {output}: cannot write there ({' '.join(str(e).split())})") from None
+
+
 def _checkpoint_config(path: str):
     """The configuration stored with the checkpoint at ``path`` (or the newest valid one of run directory ``path``)."""
     from gnnray.config import from_dict
     from gnnray.train import checkpoint
 
-    info = checkpoint.read_info(path)
-    if info is None:
-        info, _ = checkpoint.latest_valid(path)
+    try:
+        info = checkpoint.read_info(path) or checkpoint.latest_valid(path)[0]
+    except (OSError, ValueError) as e:  # a store that refuses, a URI pyarrow does not know
+        raise ConfigError(f"--checkpoint {path}: cannot read it ({' '.join(str(e).split())})") from None
     if info is None:
         raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected a directory with state.pt "
                           "and meta.json, or a run directory STORAGE_PATH/NAME holding checkpoint_* directories)")

@@ -15,7 +15,6 @@ the current nodes, and Ray Train itself checks the autoscaler's maxima.
 from __future__ import annotations
 
 import math
-import os
 import socket
 from dataclasses import dataclass
 from typing import Optional
@@ -308,18 +307,25 @@ def _describe(cluster: list[Node]) -> str:
 
 
 def check_storage(cfg: JobConfig) -> str:
-    """Return the run directory ``STORAGE_PATH/NAME``, created; raise :class:`ConfigError` if it is not writable."""
-    if "://" in cfg.run.storage_path:
-        raise ConfigError(f"--storage-path {cfg.run.storage_path!r}: only file system paths are supported (use a "
-                          "directory, or a shared file system such as NFS on multi-node clusters)")
-    run_dir = os.path.join(os.path.abspath(os.path.expanduser(cfg.run.storage_path)), cfg.run.name)
+    """Return the run's directory ``STORAGE_PATH/NAME`` (a path, or a URI such as ``s3://BUCKET/PREFIX/NAME``),
+    created; raise :class:`ConfigError` if a file cannot be written there.
+
+    An object store that refuses (no such bucket, no credentials, no network)
+    is named here, before anything starts, in one line with what it said.
+    """
+    from gnnray import storage
+
+    given = cfg.run.storage_path
+    run_dir = storage.join(storage.normalize(given), cfg.run.name)
     try:
-        os.makedirs(run_dir, exist_ok=True)
-        probe = os.path.join(run_dir, ".write-test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--storage-path {cfg.run.storage_path!r}: cannot write checkpoints to {run_dir} "
-                          f"({e.strerror}); choose a writable directory") from None
+        storage.check_writable(run_dir)
+    except (OSError, ValueError) as e:  # pyarrow: OSError from the store, ArrowInvalid (a ValueError) for the URI
+        why = " ".join(str(e).split()) or type(e).__name__
+        if not storage.is_uri(run_dir):
+            why = getattr(e, "strerror", None) or why
+            raise ConfigError(f"--storage-path {given!r}: cannot write checkpoints to {run_dir} ({why}); choose a "
+                              "writable directory") from None
+        raise ConfigError(f"--storage-path {given!r}: cannot write to {run_dir} ({why}); check the bucket's name, "
+                          "the credentials (environment, ~/.aws, the node's role) and, for an S3-compatible store, "
+                          "AWS_ENDPOINT_URL") from None
     return run_dir

@@ -19,7 +19,6 @@ nothing itself and writes them to Parquet in row groups.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -27,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from gnnray import storage
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.errors import ConfigError
@@ -97,8 +97,9 @@ def load_model(directory: str, cfg, feat_dim: int, num_classes: int,
 
 
 class CheckpointRows(SliceRows):
-    """The embedding rows of a checkpoint, read from its shard files memory-mapped (any number of shards),
-    or from an older checkpoint's ``state.pt`` (the whole table, memory-mapped too)."""
+    """The embedding rows of a checkpoint, read from its shard files memory-mapped (any number of shards; from an
+    object store, through a copy on this node's disk, ``storage.mapped_npy``), or from an older checkpoint's
+    ``state.pt`` (the whole table, memory-mapped too)."""
 
     def __init__(self, directory: str):
         from gnnray.train import checkpoint
@@ -106,10 +107,9 @@ class CheckpointRows(SliceRows):
         info = checkpoint.embedding_info(directory)
         shards = info["shards"]
         if shards:
-            slices = [(s["lo"], np.load(os.path.join(directory, s["dir"], "weight.npy"), mmap_mode="r"))
-                      for s in shards]
+            slices = [(s["lo"], storage.mapped_npy(storage.join(directory, s["dir"], "weight.npy"))) for s in shards]
         else:
-            state = torch.load(os.path.join(directory, checkpoint.STATE_FILE), map_location="cpu", mmap=True)
+            state = checkpoint.load_state(directory, mmap=True)
             slices = [(0, state["embedding"]["weight"].numpy())]
         super().__init__(slices)
         self.dim = int(info["dim"])
@@ -177,16 +177,16 @@ def _predict(handle: GraphHandle, model: torch.nn.Module, embedding: list, batch
 
 
 def _write(output: str, pred: np.ndarray, embedding: Optional[np.ndarray], rows_per_group: int) -> None:
-    """Write ``id``, ``pred`` (and ``embedding``) to ``output`` in row groups, atomically."""
+    """Write ``id``, ``pred`` (and ``embedding``) to ``output`` (a path or a URI) in row groups, atomically."""
     import pyarrow.parquet as pq
 
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    tmp = output + ".tmp"
-    with pq.ParquetWriter(tmp, _table(0, pred[:0], None if embedding is None else embedding[:0]).schema) as w:
-        for a in range(0, len(pred), rows_per_group):
-            b = a + rows_per_group
-            w.write_table(_table(a, pred[a:b], None if embedding is None else embedding[a:b]))
-    os.replace(tmp, output)
+    def fill(f) -> None:
+        with pq.ParquetWriter(f, _table(0, pred[:0], None if embedding is None else embedding[:0]).schema) as w:
+            for a in range(0, len(pred), rows_per_group):
+                b = a + rows_per_group
+                w.write_table(_table(a, pred[a:b], None if embedding is None else embedding[a:b]))
+
+    storage.write(output, fill)
 
 
 def _table(first: int, pred: np.ndarray, embedding: Optional[np.ndarray]):

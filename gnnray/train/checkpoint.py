@@ -18,8 +18,9 @@ the whole embedding table to write or read it: a reader takes the rows it
 needs from the shards that overlap them (:func:`read_rows`), so a checkpoint of
 K=1 resumes with K=3 and back. Older checkpoints kept the whole table in
 ``state.pt`` (``embedding``); they still load, memory-mapped.
-``meta.json`` is written last, each file through a temporary name and an atomic
-rename, so a crash mid-write leaves a directory without a valid ``meta.json``:
+The directory is a path or an object store's URI (``gnnray.storage``: every
+file is written whole or not at all). ``meta.json`` is written last, so a crash
+mid-write leaves a directory without a valid ``meta.json``:
 :func:`latest_valid` skips it and resume falls back to the previous one.
 ``meta.json`` records the files' sizes, so a torn copy is caught the same way.
 A checkpoint whose files are complete but whose ``state.pt`` does not load or
@@ -32,14 +33,16 @@ builds must start at the step after the one the model resumes from.
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+from gnnray import storage
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -127,42 +130,46 @@ def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimize
     epoch, step = int(metrics["epoch"]), int(metrics.get("step", 0))
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step,
              "best_val_acc": float(metrics["best_val_acc"]), **(extra or {})}
-    _atomic_write(os.path.join(directory, STATE_FILE), lambda f: torch.save(state, f))
-    size = os.path.getsize(os.path.join(directory, STATE_FILE))
+    size = storage.write(storage.join(directory, STATE_FILE), lambda f: torch.save(state, f))
     meta = {"epoch": epoch, "step": step, "state_bytes": size, "metrics": metrics}
     if embedding is not None:
         meta["embedding"] = embedding
     if config is not None:
         meta["config"] = config
-    _atomic_write(os.path.join(directory, META_FILE), lambda f: f.write(json.dumps(meta).encode()))
+    storage.write_bytes(storage.join(directory, META_FILE), json.dumps(meta).encode())
 
 
 def read_meta(directory: str) -> dict:
     """Return ``meta.json`` of the checkpoint in ``directory`` (``epoch``, ``metrics``, ``config`` if saved)."""
-    with open(os.path.join(directory, META_FILE)) as f:
-        return json.load(f)
+    return json.loads(storage.read_bytes(storage.join(directory, META_FILE)))
 
 
 def update_metrics(directory: str, metrics: dict[str, Any]) -> None:
     """Merge ``metrics`` into the checkpoint's ``meta.json`` (atomically), e.g. accuracies computed after training."""
     meta = read_meta(directory)
     meta["metrics"] = {**meta["metrics"], **metrics}
-    _atomic_write(os.path.join(directory, META_FILE), lambda f: f.write(json.dumps(meta).encode()))
+    storage.write_bytes(storage.join(directory, META_FILE), json.dumps(meta).encode())
 
 
-def load_state(directory: str) -> dict:
-    """Return the state saved in ``directory``: ``model``, ``optimizer``, ``epoch``, ``best_val_acc``."""
-    return torch.load(os.path.join(directory, STATE_FILE), map_location="cpu")
+def load_state(directory: str, mmap: bool = False) -> dict:
+    """Return the state saved in ``directory``: ``model``, ``optimizer``, ``epoch``, ``best_val_acc``.
+
+    ``mmap``: a file's tensors are memory-mapped, read when used (an older
+    checkpoint's ``state.pt`` holds the embedding table); an object is read whole.
+    """
+    location = storage.join(directory, STATE_FILE)
+    if storage.is_uri(location):
+        return torch.load(io.BytesIO(storage.read_bytes(location)), map_location="cpu")
+    return torch.load(storage.normalize(location), map_location="cpu", mmap=mmap)
 
 
 def read_info(directory: str) -> Optional[CheckpointInfo]:
     """Return the checkpoint in ``directory``, or ``None`` if it is missing or incomplete."""
     try:
-        with open(os.path.join(directory, META_FILE)) as f:
-            meta = json.load(f)
-        complete = os.path.getsize(os.path.join(directory, STATE_FILE)) == meta["state_bytes"]
+        meta = read_meta(directory)
+        complete = storage.size(storage.join(directory, STATE_FILE)) == meta["state_bytes"]
         for shard in (meta.get("embedding") or {}).get("shards", ()):  # each owner's files, whole
-            complete &= all(os.path.getsize(os.path.join(directory, shard["dir"], name)) == size
+            complete &= all(storage.size(storage.join(directory, shard["dir"], name)) == size
                             for name, size in shard["bytes"].items())
         info = CheckpointInfo(directory, int(meta["epoch"]), dict(meta["metrics"]), int(meta.get("step", 0)))
         return info if complete else None
@@ -181,9 +188,9 @@ def corrupt_reason(directory: str, extra_keys: Sequence[str] = ()) -> Optional[s
     if info is None:
         return None
     try:
-        # Memory-mapped: the check reads the pickled structure, not every
-        # tensor's bytes; with learned embeddings a state can be gigabytes.
-        state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", mmap=True)
+        # Memory-mapped: the check reads the pickled structure, not every tensor's bytes; an older checkpoint's
+        # state holds the embedding table.
+        state = load_state(directory, mmap=True)
     except Exception as exc:  # torch.load raises many types on damaged files
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return f"{STATE_FILE} does not load ({type(exc).__name__}: {first})"
@@ -212,9 +219,9 @@ def _embedding_reason(directory: str, emb: dict) -> Optional[str]:
             return f"its embedding shards {ranges} do not cover rows 0-{emb['num_nodes']}"
         for s in shards:
             for name in EMBEDDING_ARRAYS:
-                a = np.load(os.path.join(directory, s["dir"], name + ".npy"), mmap_mode="r")
-                if a.shape[0] != s["hi"] - s["lo"] or (a.ndim == 2 and a.shape[1] != emb["dim"]):
-                    return f"{s['dir']}/{name}.npy has shape {a.shape} for rows {s['lo']}-{s['hi']}"
+                shape = storage.npy_header(storage.join(directory, s["dir"], name + ".npy"))[0]
+                if shape[0] != s["hi"] - s["lo"] or (len(shape) == 2 and shape[1] != emb["dim"]):
+                    return f"{s['dir']}/{name}.npy has shape {shape} for rows {s['lo']}-{s['hi']}"
     except Exception as exc:  # np.load raises many types on damaged files
         return f"its embedding shards do not load ({type(exc).__name__}: {str(exc)[:200]})"
     return None
@@ -224,20 +231,17 @@ def write_rows(directory: str, lo: int, hi: int, arrays: dict[str, np.ndarray]) 
     """Write rows ``[lo, hi)`` of an embedding table and their optimizer state (:data:`EMBEDDING_ARRAYS`) into
     checkpoint ``directory``; return the shard's entry for ``meta.json`` (call where the rows are)."""
     sub = f"{EMBEDDING_DIR}/rows-{lo:012d}-{hi:012d}"
-    os.makedirs(os.path.join(directory, sub), exist_ok=True)
-    sizes = {}
-    for name in EMBEDDING_ARRAYS:
-        path = os.path.join(directory, sub, name + ".npy")
-        _atomic_write(path, lambda f: np.save(f, arrays[name]))
-        sizes[name + ".npy"] = os.path.getsize(path)
+    sizes = {name + ".npy": storage.save_npy(storage.join(directory, sub, name + ".npy"), arrays[name])
+             for name in EMBEDDING_ARRAYS}
     return {"lo": lo, "hi": hi, "dir": sub, "bytes": sizes}
 
 
 def read_rows(directory: str, lo: int, hi: int, names: Sequence[str] = EMBEDDING_ARRAYS) -> dict[str, np.ndarray]:
     """Rows ``[lo, hi)`` of the embedding table and their optimizer state saved in checkpoint ``directory``.
 
-    Read from whichever shard files overlap the range, memory-mapped, so only
-    these rows are read, whatever the shards of the run that wrote it. An
+    Read from whichever shard files overlap the range, and only these rows
+    (memory-mapped files, ranged reads of objects), whatever the shards of
+    the run that wrote it. An
     older checkpoint (the whole table in ``state.pt``, torch's ``SparseAdam``
     state) is read the same way; its rows get the old global step count where
     their moments are non-zero (torch's bias correction had no per-row count).
@@ -252,15 +256,15 @@ def read_rows(directory: str, lo: int, hi: int, names: Sequence[str] = EMBEDDING
         if a >= b:
             continue
         for name in names:
-            part = np.load(os.path.join(directory, s["dir"], name + ".npy"), mmap_mode="r")
+            part = storage.npy_rows(storage.join(directory, s["dir"], name + ".npy"), a - s["lo"], b - s["lo"])
             if name not in out:
                 out[name] = np.empty((hi - lo, *part.shape[1:]), dtype=part.dtype)
-            out[name][a - lo:b - lo] = part[a - s["lo"]:b - s["lo"]]
+            out[name][a - lo:b - lo] = part
     return out
 
 
 def _legacy_rows(directory: str, lo: int, hi: int, names: Sequence[str]) -> dict[str, np.ndarray]:
-    state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", mmap=True)
+    state = load_state(directory, mmap=True)
     if "embedding" not in state:
         from gnnray.errors import CheckpointError
 
@@ -287,7 +291,7 @@ def embedding_info(directory: str) -> Optional[dict]:
     meta = read_meta(directory)
     if "embedding" in meta:
         return meta["embedding"]
-    state = torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", mmap=True)
+    state = load_state(directory, mmap=True)
     if "embedding" not in state:
         return None
     n, dim = state["embedding"]["weight"].shape
@@ -305,13 +309,11 @@ def latest_valid(run_dir: str, extra_keys: Sequence[str] = ()) -> tuple[Optional
         The newest valid checkpoint (``None`` if none is) and the checkpoint
         directories that were skipped as incomplete or corrupt.
     """
-    if not os.path.isdir(run_dir):
-        return None, []
     found, bad = [], []
-    for name in sorted(os.listdir(run_dir)):
-        path = os.path.join(run_dir, name)
-        if not (name.startswith("checkpoint_") and os.path.isdir(path)):
+    for name in storage.list_dirs(run_dir):
+        if not name.startswith("checkpoint_"):
             continue
+        path = storage.join(run_dir, name)
         info = read_info(path)
         (found.append(info) if info else bad.append(path))
     for info in sorted(found, key=lambda c: (c.epoch, c.step, c.path), reverse=True):
@@ -319,12 +321,3 @@ def latest_valid(run_dir: str, extra_keys: Sequence[str] = ()) -> tuple[Optional
             return info, bad
         bad.append(info.path)
     return None, bad
-
-
-def _atomic_write(path: str, write) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

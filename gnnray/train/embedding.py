@@ -372,7 +372,8 @@ class ShardedEmbedding(EmbeddingTable):
 
     # Checkpoints: no timeout, as a shard's files take as long as its disk needs; a lost owner still fails at once.
     def save(self, directory: str) -> dict:
-        """Each owner writes its rows, on its node (rank 0 calls it; ``directory`` is on shared storage)."""
+        """Each owner writes its rows, on its node (rank 0 calls it; ``directory`` is a bucket's URI or shared
+        storage)."""
         return self._entry(self._get_all([(o, o[3].save.remote(directory)) for o in self._owners], None))
 
     def load(self, directory: Optional[str]) -> None:

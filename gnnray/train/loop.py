@@ -42,8 +42,7 @@ from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator
 from gnnray.train.layerwise import EmbeddingRows, infer, supports_layerwise
 from gnnray.train.model import model_for
-from gnnray.train.report import (METRICS_LOG, PrivateMemory, Progress, events, log_event, report, report_position,
-                                 saved_config)
+from gnnray.train.report import PrivateMemory, Progress, events, log_event, report, report_position, saved_config
 from gnnray.train.setup import WorkerSetup
 from gnnray.train.step import train_epoch
 
@@ -77,8 +76,6 @@ class StreamStart:
 
 def train_loop(config: dict) -> None:
     """The ``train_loop_per_worker`` of the job's ``TorchTrainer``; ``config["setup"]`` is a :class:`WorkerSetup`."""
-    import os
-
     import ray.train
     import ray.train.torch
 
@@ -150,7 +147,6 @@ def train_loop(config: dict) -> None:
                           setup.graph, setup.stack)
     exported = TrainMetrics(cfg.run.name, rank)
     progress = Progress(setup.run_dir if rank == 0 else None)
-    metrics_log = os.path.join(setup.run_dir, METRICS_LOG) if setup.run_dir and rank == 0 else None
     config_saved = saved_config(cfg, setup.model_factory is not None)
     memory, schedule = PrivateMemory(), checkpoint.Schedule(cfg.run.checkpoint_interval)
     saves = StepCheckpoints(cfg, rank, world, model, optimizer, embedding, config_saved, schedule, setup.run_dir,
@@ -193,7 +189,7 @@ def train_loop(config: dict) -> None:
             exported.epoch(epoch, metrics)
             # 6. Ray Train: every rank reports every epoch; rank 0 attaches a checkpoint when one is due.
             save = saves.at_epoch_end(last)
-            report(metrics, model, optimizer, rank, metrics_log, embedding, config_saved if save else None, save)
+            report(metrics, model, optimizer, rank, setup.run_dir, embedding, config_saved if save else None, save)
             saves.epoch_ended(save, time.monotonic() - started)
 
 
@@ -321,7 +317,8 @@ class StepCheckpoints:
         started = time.monotonic()
         position = dict(epoch=epoch - 1, step=done, best_val_acc=self.best_val, world_size=self._world,
                         restarts=self.restarts, plan=self._plan)
-        report_position(position, self._model, self._optimizer, self._rank, self._embedding, self._config)
+        report_position(position, self._model, self._optimizer, self._rank, self._run_dir, self._embedding,
+                        self._config)
         self._since = 0
         self._save_s = max(self._save_s, time.monotonic() - started)
         if self._rank == 0:

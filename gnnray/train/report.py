@@ -3,10 +3,13 @@
 The metrics line goes to ``STORAGE_PATH/NAME/metrics.jsonl`` (the driver
 prints it, tools read it) and through ``ray.train.report`` every epoch, with a
 checkpoint when ``checkpoint.Schedule`` says one is due; a checkpoint within an
-epoch (:func:`report_position`) is reported on its own. The checkpoint is
-written in place in the run's directory and reported without an upload: with
-``--feature-shards`` each embedding owner writes its own rows there from its
-node, so no process gathers the table (``train.checkpoint``).
+epoch (:func:`report_position`) is reported on its own. The run's directory is
+a path or an object store's URI (``gnnray.storage``). The checkpoint is written
+in place there and reported to Ray Train without an upload: with
+``--feature-shards`` each embedding owner writes its own rows from its node, so
+no process gathers the table (``train.checkpoint``), and ``meta.json``, written
+last, must follow every other file, which Ray Train's upload of a local
+directory would not ensure.
 
 An elastic run also keeps ``workers.jsonl`` (:func:`log_event`): a line for
 each worker-group start (its world size and where its stream starts) and for
@@ -18,17 +21,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import os
 import time
 from typing import Optional
 
 import torch
 
+from gnnray import storage
 from gnnray.train import checkpoint
 from gnnray.train.embedding import EmbeddingTable
 
 METRICS_LOG = "metrics.jsonl"  # rank 0 appends one JSON line per epoch
 PROGRESS_FILE = ".progress"  # rank 0 rewrites "epoch step steps" during an epoch
+# How often rank 0 rewrites the progress file: each rewrite of an object is a request on the training thread.
+PROGRESS_EVERY_S = {False: 0.5, True: 5.0}  # a file, an object
 WORKERS_LOG = "workers.jsonl"  # an elastic run's worker-group starts and preemption notices
 
 
@@ -39,16 +44,14 @@ def log_event(run_dir: str, event: str, **fields) -> dict:
     stream as the group starts, then that group's rank 0.
     """
     line = {"event": event, "time": time.time(), **fields}
-    with open(os.path.join(run_dir, WORKERS_LOG), "a") as f:
-        f.write(json.dumps(line) + "\n")
+    storage.append(storage.join(run_dir, WORKERS_LOG), (json.dumps(line) + "\n").encode())
     return line
 
 
 def events(run_dir: str) -> list[dict]:
     """The complete lines of the run's :data:`WORKERS_LOG` (none if it has none)."""
     try:
-        with open(os.path.join(run_dir, WORKERS_LOG)) as f:
-            text = f.read()
+        text = storage.read_bytes(storage.join(run_dir, WORKERS_LOG)).decode()
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
@@ -60,20 +63,23 @@ def saved_config(cfg, custom_model: bool) -> dict:
 
 
 class Progress:
-    """Rank 0's progress within an epoch, written at most every ``every_s`` seconds for the driver's progress bar."""
+    """Rank 0's progress within an epoch, written at most every ``every_s`` seconds for the driver's progress bar
+    (default :data:`PROGRESS_EVERY_S`)."""
 
-    def __init__(self, run_dir: Optional[str], every_s: float = 0.5):
-        self._path = os.path.join(run_dir, PROGRESS_FILE) if run_dir else None
-        self._every_s, self._last = every_s, 0.0
+    def __init__(self, run_dir: Optional[str], every_s: Optional[float] = None):
+        self._path = storage.join(run_dir, PROGRESS_FILE) if run_dir else None
+        self._every_s = PROGRESS_EVERY_S[storage.is_uri(run_dir or "")] if every_s is None else every_s
+        self._last = 0.0
 
     def update(self, epoch: int, step: int, steps: int) -> None:
         now = time.monotonic()
         if self._path is None or (now - self._last < self._every_s and step < steps):
             return
         self._last = now
-        with open(self._path + ".tmp", "w") as f:
-            f.write(f"{epoch} {step} {steps}")
-        os.replace(self._path + ".tmp", self._path)
+        try:
+            storage.write_bytes(self._path, f"{epoch} {step} {steps}".encode(), sync=False)
+        except OSError:  # only the progress bar misses it: a store's failed request must not end the attempt
+            pass
 
 
 class PrivateMemory:
@@ -107,10 +113,12 @@ class PrivateMemory:
         return float(uss)
 
 
-def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str],
+def report(metrics: dict, model, optimizer, rank: int, run_dir: Optional[str],
            embedding: Optional[EmbeddingTable] = None, config: Optional[dict] = None, save: bool = True) -> None:
     """Report an epoch's ``metrics`` to Ray Train (every rank, every epoch); rank 0 first appends them to
-    ``metrics_log`` and, with ``save``, attaches a checkpoint (``config`` stored in it)."""
+    ``run_dir``'s :data:`METRICS_LOG` and, with ``save``, attaches a checkpoint written there (``config`` stored
+    in it). Without ``run_dir`` (where Ray Train's storage is a local directory): no log, and the checkpoint goes
+    to Ray Train's run directory."""
     import ray.train
 
     if rank != 0:
@@ -119,17 +127,16 @@ def report(metrics: dict, model, optimizer, rank: int, metrics_log: Optional[str
     # The log line goes first: a crash between the two then repeats the
     # epoch's line after the restart, rather than losing it while its
     # checkpoint exists.
-    if metrics_log:
-        with open(metrics_log, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+    if run_dir:
+        storage.append(storage.join(run_dir, METRICS_LOG), (json.dumps(metrics) + "\n").encode())
     if not save:
         ray.train.report(metrics)
         return
-    _report_with_checkpoint(metrics, model, optimizer, embedding, config)
+    _report_with_checkpoint(metrics, model, optimizer, run_dir, embedding, config)
 
 
-def report_position(position: dict, model, optimizer, rank: int, embedding: Optional[EmbeddingTable] = None,
-                    config: Optional[dict] = None) -> None:
+def report_position(position: dict, model, optimizer, rank: int, run_dir: Optional[str],
+                    embedding: Optional[EmbeddingTable] = None, config: Optional[dict] = None) -> None:
     """A checkpoint within an epoch: every rank calls it at the same step (``ray.train.report`` waits for all);
     rank 0 writes it. ``position`` holds ``epoch`` (the last completed), ``step`` (done of the next one) and
     ``best_val_acc``; no metrics line is written."""
@@ -138,23 +145,25 @@ def report_position(position: dict, model, optimizer, rank: int, embedding: Opti
     if rank != 0:
         ray.train.report(position)
         return
-    _report_with_checkpoint(position, model, optimizer, embedding, config)
+    _report_with_checkpoint(position, model, optimizer, run_dir, embedding, config)
 
 
-def _report_with_checkpoint(metrics: dict, model, optimizer, embedding: Optional[EmbeddingTable],
-                            config: Optional[dict]) -> None:
+def _report_with_checkpoint(metrics: dict, model, optimizer, run_dir: Optional[str],
+                            embedding: Optional[EmbeddingTable], config: Optional[dict]) -> None:
+    import posixpath
+
     import ray.train
 
-    storage = ray.train.get_context().get_storage()
+    ray_storage = ray.train.get_context().get_storage()  # the same directory as run_dir, resolved by Ray Train
     name = f"checkpoint_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S.%f}"  # Ray's own naming
-    path = os.path.join(storage.experiment_fs_path, name)
-    os.makedirs(path)
+    fs_path = posixpath.join(ray_storage.experiment_fs_path, name)
+    path = storage.join(run_dir, name) if run_dir else fs_path
+    storage.make_dirs(path)
     # The embedding's files first (written where its rows are), then state.pt, then meta.json listing them all.
     entry = embedding.save(path) if embedding else None
     checkpoint.save(path, getattr(model, "module", model), optimizer, metrics, config=config, embedding=entry)
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint(path, filesystem=storage.storage_filesystem),
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint(fs_path, filesystem=ray_storage.storage_filesystem),
                      checkpoint_dir_name=name, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
-
 
 
 def trim_heap() -> None:

@@ -12,6 +12,7 @@ from gnnray.data.features import ArrayRows, Normalized, NpyRows, RandomRows, Syn
 from gnnray.data.shards import cache_ids, choose_nodes, shard_bounds
 from gnnray.driver.preflight import Node
 from gnnray.errors import ClusterError
+from s3_server import STORAGE_KINDS
 
 MiB = 2**20
 
@@ -122,14 +123,19 @@ def test_parquet_shard_reads_only_the_row_groups_of_its_range(tmp_path, monkeypa
     assert read == list(range(10))
 
 
-def test_in_memory_tables_are_spilled_once_per_shard(tmp_path):
-    """The driver writes a table read into memory as one file per shard, and rebuilds shards from them."""
+@STORAGE_KINDS
+def test_in_memory_tables_are_spilled_once_per_shard(storage_path, tmp_path):
+    """The driver writes a table read into memory as one file per shard (in a directory or a bucket), and
+    rebuilds shards from them."""
+    from gnnray import storage
     from gnnray.data.features import SpilledRows, spill
 
     table = np.random.default_rng(0).standard_normal((1_000, 4)).astype(np.float32)
     bounds = shard_bounds(1_000, 3)
-    spilled = spill(Normalized(ArrayRows(table)), bounds, str(tmp_path / "spill"), "float16")
-    assert isinstance(spilled, SpilledRows) and len(list((tmp_path / "spill").glob("*.npy"))) == 3
+    where = storage.join(storage_path, "spill")
+    spilled = spill(Normalized(ArrayRows(table)), bounds, where, "float16")
+    assert isinstance(spilled, SpilledRows) and all(storage.size(f) for f in spilled.files)
+    assert [f.rsplit("/", 1)[-1] for f in spilled.files] == [f"shard-{i}-of-3.npy" for i in range(3)]
     whole = Normalized(ArrayRows(table)).rows(0, 1_000).astype(np.float16)
     assert np.array_equal(spilled.rows(0, 1_000), whole)
     part = spilled.part(int(bounds[1]), int(bounds[2]))

@@ -24,6 +24,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
+from gnnray import storage
 from gnnray.train import checkpoint
 from gnnray.config import parse_args
 from gnnray.driver.fit import run
@@ -44,12 +45,12 @@ EVERY = 4  # --checkpoint-every of the recorded drills
 JOB_TIMEOUT_S = 420  # a bound, not a speed claim: runs take 30-120 s here on 2 busy cores
 
 
-def logged(storage: Path, name: str) -> list[dict]:
-    """The epochs' metrics rank 0 logged so far (complete lines only)."""
-    path = storage / name / METRICS_LOG
-    if not path.exists():
+def logged(storage_path, name: str) -> list[dict]:
+    """The epochs' metrics rank 0 logged so far (complete lines only), in a directory or an object store."""
+    try:
+        text = storage.read_bytes(storage.join(str(storage_path), name, METRICS_LOG)).decode()
+    except FileNotFoundError:
         return []
-    text = path.read_text()
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
@@ -323,9 +324,12 @@ def replays(groups: list[tuple[int, list[int]]]) -> list[int]:
     return [max(0, a[-1] - b[0] + 1) for (_, a), (_, b) in zip(groups, groups[1:])]
 
 
-def events(run_dir: Path) -> list[dict]:
-    path = run_dir / WORKERS_LOG
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def events(run_dir) -> list[dict]:
+    """The lines of an elastic run's workers.jsonl, in a directory or an object store."""
+    try:
+        return [json.loads(line) for line in storage.read_bytes(storage.join(str(run_dir), WORKERS_LOG)).splitlines()]
+    except FileNotFoundError:
+        return []
 
 def recorded_steps_fast(record_dir: Path) -> list[Step]:
     """World size and time of each recorded step (no plan lookup): for waiting on a world size."""

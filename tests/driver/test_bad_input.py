@@ -204,6 +204,44 @@ def test_bad_options_rejected_before_any_worker(ray_cluster, tmp_path, capsys, a
         assert text in err, f"{text!r} not in {err}"
 
 
+@pytest.fixture(scope="module")
+def strict_s3():
+    """An S3 server that refuses every key, as S3 refuses keys it does not know."""
+    from s3_server import S3Server
+
+    server = S3Server(check_credentials=True)
+    yield server.wait(bucket=False)
+    server.stop()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("location, texts", [
+    ("s3://no-such-bucket-gnnray/runs", ["s3://no-such-bucket-gnnray/runs/gnnray", "bucket does not exist"]),
+    # No network to the store: an endpoint where nothing listens (the URI's own setting, over AWS_ENDPOINT_URL).
+    ("s3://gnnray-tests/runs?endpoint_override=http://127.0.0.1:{port}", ["Could not connect", "AWS_ENDPOINT_URL"]),
+    # Credentials the store does not accept: a second server that checks them.
+    ("s3://gnnray-tests/runs?endpoint_override={strict}", ["INVALID_ACCESS_KEY_ID", "the credentials"]),
+    ("nosuch://bucket/runs", ["nosuch://bucket/runs/gnnray", "Unrecognized filesystem type"]),
+])
+def test_a_store_that_refuses_stops_the_run_before_training(ray_cluster, s3_server, strict_s3, capsys, location,
+                                                            texts):
+    """An object store that refuses the run's first write stops it at once, in one line naming the store and
+    what it said, before any worker or actor starts."""
+    s3_server.wait()
+    location = location.format(port=_closed_port(), strict=strict_s3.endpoint)
+    err = _rejected(SMALL + ["--storage-path", location], capsys)
+    assert len(err.strip().splitlines()) == 1 and f"--storage-path '{location}'" in err, err
+    for text in texts:
+        assert text in err, f"{text!r} not in {err}"
+
+
 def _nodes(*cpus: float, gpus: float = 0, store: int = 2**30) -> list:
     return [cluster.Node(f"{i:056x}", "10.0.0.1", c, gpus, store) for i, c in enumerate(cpus)]
 

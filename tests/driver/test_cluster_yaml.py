@@ -104,3 +104,33 @@ def test_setup_commands_install_the_pinned_stack(config):
 def test_no_secrets_in_cluster_yaml():
     text = (REPO / "cluster.yaml").read_text()
     assert not re.search(r"AKIA[0-9A-Z]{16}|aws_secret_access_key|\b\d{12}\b|ssh_private_key:|KeyName:", text)
+
+
+def test_nodes_keep_runs_in_s3_with_the_roles_cluster_iam_makes(config):
+    """No shared file system: the recipe keeps runs in S3, and every node has an instance profile of
+    cluster-iam.yaml that may write the bucket; the head's may also hand workers theirs (iam:PassRole), which
+    Ray's default head role cannot, so workers would start without credentials."""
+    template = yaml.safe_load((REPO / "cluster-iam.yaml").read_text())
+    resources = template["Resources"]
+    profiles = {r["Properties"]["InstanceProfileName"]: r["Properties"]["Roles"][0]["Ref"]
+                for r in resources.values() if r["Type"] == "AWS::IAM::InstanceProfile"}
+    prepared = _prepared(config)
+    for name, node_type in prepared["available_node_types"].items():
+        want = "gnnray-head" if name == prepared["head_node_type"] else "gnnray-worker"
+        assert node_type["node_config"]["IamInstanceProfile"] == {"Name": want}, name
+    assert set(profiles) == {"gnnray-head", "gnnray-worker"}
+
+    access = resources["RunsAccess"]["Properties"]["PolicyDocument"]["Statement"]
+    objects = next(s for s in access if s["Resource"] == {"Fn::Sub": "arn:aws:s3:::${BucketName}/*"})
+    assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"} <= set(objects["Action"])
+    assert any("s3:ListBucket" in s["Action"] for s in access)
+    for role in profiles.values():
+        assert {"Ref": "RunsAccess"} in resources[role]["Properties"]["ManagedPolicyArns"], role
+    head = resources[profiles["gnnray-head"]]["Properties"]
+    passes = [s for p in head["Policies"] for s in p["PolicyDocument"]["Statement"] if s["Action"] == "iam:PassRole"]
+    assert passes == [{"Effect": "Allow", "Action": "iam:PassRole",
+                       "Resource": {"Fn::GetAtt": [profiles["gnnray-worker"], "Arn"]}}]
+    assert "arn:aws:iam::aws:policy/AmazonEC2FullAccess" in head["ManagedPolicyArns"]  # as Ray's default role
+
+    text = (REPO / "cluster.yaml").read_text()
+    assert "--storage-path s3://$BUCKET/runs" in text and "EFS" not in text and "nfs" not in text

@@ -252,6 +252,54 @@ def test_elastic_run_restarts_within_one_fit(ray_cluster, tmp_path):
     assert len(ray.get(actor.get_train_run_attempts.remote())[runs[0].id]) == 2
 
 
+@pytest.mark.slow  # a resize waits for Ray Data's view of the nodes (20 s refresh): about 2 min here
+def test_elastic_run_grows_keeping_its_run_in_a_bucket(cluster, ray_cluster, s3_server, tmp_path):
+    """--num-workers 1,2 with --storage-path s3://...: the run starts on the head alone; a node joins and the group
+    of 2 resumes from the checkpoint within the epoch, found and read in the bucket, as are workers.jsonl and the
+    metrics the driver prints; every step of every epoch is trained, at most --checkpoint-every twice."""
+    import io
+    from contextlib import redirect_stdout
+
+    from gnnray import storage
+
+    where, name = s3_server.fresh_prefix("elastic"), "grow"
+    records = tmp_path / "records"
+    records.mkdir()
+    args = ELASTIC + ["--num-workers", "1,2", "--epochs", "3", "--max-failures", "1", "--storage-path", where,
+                      "--name", name]
+    run_dir = storage.join(where, name)
+    out, node = io.StringIO(), None
+    try:
+        with redirect_stdout(out):
+            job = JobThread(args, model_factory=lambda f, c, cfg: RecordingModel(f, c, cfg, str(records)))
+            wait_until(lambda: len(logged(where, name)) >= 1, JOB_TIMEOUT_S, "an epoch at 1 worker", job)
+            (records / "pause-1").touch()  # the group of 1 waits in its next step while the node joins
+            node = cluster.add_node(num_cpus=NODE_CPUS)
+            cluster.wait_for_nodes()
+            wait_until(lambda: any(s.world == 2 for s in recorded_steps_fast(records)), JOB_TIMEOUT_S,
+                       "a step at 2 workers", job)
+            (records / "pause-1").unlink()
+            job.join()
+    finally:
+        if node is not None and node in cluster.worker_nodes:
+            cluster.remove_node(node)
+        cluster.wait_for_nodes()
+    print(out.getvalue())
+    assert job.error is None, repr(job.error)
+    # On a busy machine a group may also be restarted (a start that timed out): sizes are 1 first, then 2.
+    starts = [e for e in events(run_dir) if e["event"] == "start"]
+    grew = next(e for e in starts if e["world_size"] == 2)
+    assert starts[0]["world_size"] == 1 and grew["checkpoint"].startswith(run_dir + "/checkpoint_"), starts
+    assert "workers: 1 -> 2 (grew: nodes joined), resuming at epoch" in out.getvalue()
+    assert "epoch=2 " in out.getvalue() and "workers=2" in out.getvalue()
+    groups = attempts(recorded_steps(records, args), steps_per_epoch(args))
+    worlds = [w for w, _ in groups]
+    assert worlds[0] == 1 and 2 in worlds and all(0 <= r <= EVERY for r in replays(groups)), groups
+    assert sorted({g for _, gs in groups for g in gs}) == list(range(3 * steps_per_epoch(args)))
+    assert sorted({m["epoch"] for m in logged(where, name)}) == [0, 1, 2]
+    assert job.summary.checkpoint.startswith(run_dir + "/checkpoint_")
+
+
 def test_elastic_split_makes_the_stream_of_each_group_from_the_newest_checkpoint(ray_cluster, tmp_path):
     """What Ray Train calls at each worker-group start: the stream for that world size, from the checkpoint's
     step, each rank its piece of every step; logged for the ranks, who restore the same checkpoint."""

@@ -2,31 +2,41 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from drills import (JOB_TIMEOUT_S, REPO, SMALL, JobThread, alive_actors, drop_key, job_command, logged, own_stderr,
                     resumed_run, subprocess_env, wait_until, write_checkpoints)  # noqa: F401 (fixture)
+from gnnray import storage
 from gnnray.train import checkpoint
 from gnnray.config import parse_args
 from gnnray.errors import CheckpointError
 from gnnray.driver.cli import main
 from gnnray.driver.fit import _resume_point
+from gnnray.driver.predict import main as predict
+from s3_server import STORAGE_KINDS
 
 
-def test_driver_killed_then_resubmitted(ray_cluster, tmp_path):
-    """Drill 4: the driver process is killed after epoch 1; the same --name and --storage-path resume the run."""
-    args = SMALL + ["--epochs", "4", "--storage-path", str(tmp_path), "--name", "d4"]
+@STORAGE_KINDS
+def test_driver_killed_then_resubmitted(ray_cluster, storage_path, tmp_path, capsys):
+    """Drill 4: the driver process is killed (SIGKILL) after epoch 1; the same --name and --storage-path resume
+    the run, from a directory or from a bucket (a real S3 server: nothing of the run is on a shared disk, the
+    drivers' epoch lines included); jobs/predict.py then reads the run from there and writes its output there."""
+    args = SMALL + ["--epochs", "4", "--storage-path", storage_path, "--name", "d4"]
     out = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(job_command(args), cwd=REPO, env=subprocess_env(ray_cluster), stdout=out,
                               stderr=subprocess.STDOUT)
     try:
-        wait_until(lambda: len(logged(tmp_path, "d4")) >= 2 or driver.poll() is not None, JOB_TIMEOUT_S, "epoch 1")
+        wait_until(lambda: len(logged(storage_path, "d4")) >= 2 or driver.poll() is not None, JOB_TIMEOUT_S,
+                   "epoch 1")
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        wait_until(lambda: "epoch=1 " in (tmp_path / "driver.log").read_text(), 30, "the driver's line of epoch 1")
         driver.kill()  # SIGKILL: no cleanup in the driver
         driver.wait(timeout=60)
     finally:
@@ -36,21 +46,32 @@ def test_driver_killed_then_resubmitted(ray_cluster, tmp_path):
     # Ray ends the dead driver's job: its workers and actors exit and free their CPUs.
     wait_until(lambda: not alive_actors("RayTrainWorker") and not alive_actors("SamplerActor"), 120,
                "the killed driver's workers to exit")
-    first = [m["epoch"] for m in logged(tmp_path, "d4")]
+    first = [m["epoch"] for m in logged(storage_path, "d4")]
     assert first[:2] == [0, 1] and first == list(range(len(first)))
 
     job = JobThread(args).join()
     assert job.error is None, repr(job.error)
-    epochs = [m["epoch"] for m in logged(tmp_path, "d4")]
+    epochs = [m["epoch"] for m in logged(storage_path, "d4")]
     resumed = epochs[len(first):]
     # It resumed after the last checkpoint the killed driver's run completed
     # (the epoch being checkpointed when it was killed may run again).
     assert resumed and resumed[0] in (first[-1], first[-1] + 1) and resumed == list(range(resumed[0], 4)), epochs
     assert job.summary.metrics["epoch"] == 3 and job.summary.restarts == 0
+    run_dir = storage.join(storage_path, "d4")
+    assert job.summary.checkpoint.startswith(run_dir + "/checkpoint_")
+    console = capsys.readouterr().out
+    assert f"resuming run 'd4' from epoch {resumed[0]}" in console and "epoch=3 " in console, console
 
     # Another name in the same storage path starts fresh.
-    assert _resume_point(parse_args(args[:-1] + ["d4-other"]), str(tmp_path / "d4-other")) is None
-    assert _resume_point(parse_args(args), str(tmp_path / "d4")).epoch == 3
+    assert _resume_point(parse_args(args[:-1] + ["d4-other"]), storage.join(storage_path, "d4-other")) is None
+    assert _resume_point(parse_args(args), run_dir).epoch == 3
+
+    # jobs/predict.py: the run's directory as --checkpoint, the output beside it.
+    output = storage.join(storage_path, "preds", "d4.parquet")
+    assert predict(["--checkpoint", run_dir, "--output", output]) == 0
+    assert f"output={output}" in capsys.readouterr().out
+    table = pq.read_table(io.BytesIO(storage.read_bytes(output)))
+    assert table.column("id").to_pylist() == list(range(3000)) and table.num_rows == 3000
 
 
 # ----------------------------------------------------------------------------- drill 8: damaged checkpoints

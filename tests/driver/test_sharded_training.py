@@ -141,6 +141,44 @@ def test_layerwise_tables_larger_than_the_stores_are_refused_before_training(sha
     assert "eval" not in summary.metrics and "test_acc_sampled" not in summary.metrics  # sampled: no layer-wise
 
 
+@pytest.mark.slow  # a run of 3 epochs and a restart on three shard nodes: about 2.5 min here
+def test_a_killed_embedding_owner_restarts_from_the_bucket(shard_nodes, s3_server, tmp_path, capsys):
+    """--embedding-dim with --feature-shards 3, the run kept in a bucket: an embedding owner is killed (SIGKILL)
+    after epoch 0's checkpoint; the attempt fails naming its shard, and the driver's restart makes new owners,
+    each reading its rows back from the checkpoint's shard objects, written there by the owners themselves."""
+    import os
+    import signal
+    import sys
+
+    from ray import cloudpickle
+
+    from drills import RecordingModel, alive_actors
+    from gnnray import storage
+    from gnnray.train import checkpoint
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    where, name = s3_server.fresh_prefix("owner"), "owner"
+    records = tmp_path / "records"
+    records.mkdir()
+    args = EXACT + ["--embedding-dim", "8", "--feature-shards", "3", "--epochs", "3", "--checkpoint-interval", "0",
+                    "--max-failures", "1", "--storage-path", where, "--name", name]
+    job = JobThread(args, model_factory=lambda f, c, cfg: RecordingModel(f, c, cfg, str(records)))
+    wait_until(lambda: len(logged(where, name)) >= 1, JOB_TIMEOUT_S, "epoch 0", job)
+    (records / "pause-1").touch()  # the worker waits in its next step while an owner is killed
+    owners = alive_actors("EmbeddingOwner")
+    assert len(owners) == 3, owners
+    os.kill(owners[1].pid, signal.SIGKILL)
+    (records / "pause-1").unlink()
+    job.join()
+    assert job.error is None, repr(job.error)
+    assert job.summary.restarts == 1 and job.summary.checkpoint.startswith(storage.join(where, name) + "/")
+    assert [m["restarts"] for m in logged(where, name)][-1] == 1 and logged(where, name)[-1]["epoch"] == 2
+    assert "embedding shard" in capsys.readouterr().out
+    shards = checkpoint.read_meta(job.summary.checkpoint)["embedding"]["shards"]
+    assert [(s["lo"], s["hi"]) for s in shards] == [(0, 1000), (1000, 2000), (2000, 3000)]
+    assert checkpoint.read_rows(job.summary.checkpoint, 0, 3000)["step"].max() > 0
+
+
 # Last: each removes one of the module's shard nodes.
 @pytest.mark.slow
 @pytest.mark.parametrize("max_failures", [0, 1])

@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 
+from gnnray import storage
 from gnnray.train import checkpoint
+from s3_server import STORAGE_KINDS
 
 
 def trained_model(seed: int = 0):
@@ -22,7 +24,7 @@ def trained_model(seed: int = 0):
 
 
 def save_epoch(directory, epoch: int, seed: int = 0, **extra):
-    os.makedirs(directory, exist_ok=True)
+    storage.make_dirs(str(directory))
     model, opt = trained_model(seed)
     metrics = dict(epoch=epoch, best_val_acc=0.5 + epoch / 100, loss=1.25, **extra)
     checkpoint.save(str(directory), model, opt, metrics)
@@ -111,46 +113,50 @@ def test_state_and_meta_of_different_steps_is_corrupt(tmp_path):
     assert "step 4" in checkpoint.corrupt_reason(str(d)) and "step 5" in checkpoint.corrupt_reason(str(d))
 
 
+# Damage as a crash (or a torn copy) leaves it, in a directory or an object store (``d``: a path or a URI).
 def truncate_state(d):
-    p = d / checkpoint.STATE_FILE
-    data = p.read_bytes()
-    p.write_bytes(data[: len(data) // 2])
+    p = storage.join(str(d), checkpoint.STATE_FILE)
+    data = storage.read_bytes(p)
+    storage.write_bytes(p, data[: len(data) // 2])
 
 
 def remove_meta(d):
-    (d / checkpoint.META_FILE).unlink()
+    storage.delete(storage.join(str(d), checkpoint.META_FILE))
 
 
 def corrupt_meta(d):
-    (d / checkpoint.META_FILE).write_text('{"epoch": 3, "state_by')
+    storage.write_bytes(storage.join(str(d), checkpoint.META_FILE), b'{"epoch": 3, "state_by')
 
 
 def meta_without_fields(d):
-    (d / checkpoint.META_FILE).write_text(json.dumps({"epoch": 3}))
+    storage.write_bytes(storage.join(str(d), checkpoint.META_FILE), json.dumps({"epoch": 3}).encode())
 
 
 def remove_state(d):
-    (d / checkpoint.STATE_FILE).unlink()
+    storage.delete(storage.join(str(d), checkpoint.STATE_FILE))
 
 
 def only_temporary_files(d):
     # a crash before the first rename
     for name in (checkpoint.STATE_FILE, checkpoint.META_FILE):
-        os.replace(d / name, d / (name + ".tmp"))
+        data = storage.read_bytes(storage.join(str(d), name))
+        storage.write_bytes(storage.join(str(d), name + ".tmp"), data)
+        storage.delete(storage.join(str(d), name))
 
 
+@STORAGE_KINDS
 @pytest.mark.parametrize("damage", [truncate_state, remove_meta, corrupt_meta, meta_without_fields, remove_state,
                                     only_temporary_files])
-def test_damaged_newest_checkpoint_is_skipped(tmp_path, damage):
-    save_epoch(tmp_path / "checkpoint_000001", 1)
-    save_epoch(tmp_path / "checkpoint_000002", 2)
-    save_epoch(tmp_path / "checkpoint_000003", 3)
-    damage(tmp_path / "checkpoint_000003")
-    assert checkpoint.read_info(str(tmp_path / "checkpoint_000003")) is None
-    best, bad = checkpoint.latest_valid(str(tmp_path))
+def test_damaged_newest_checkpoint_is_skipped(storage_path, damage):
+    run = storage_path
+    for epoch in (1, 2, 3):
+        save_epoch(storage.join(run, f"checkpoint_00000{epoch}"), epoch)
+    damage(storage.join(run, "checkpoint_000003"))
+    assert checkpoint.read_info(storage.join(run, "checkpoint_000003")) is None
+    best, bad = checkpoint.latest_valid(run)
     assert best is not None and best.epoch == 2
-    assert best.path == str(tmp_path / "checkpoint_000002")
-    assert bad == [str(tmp_path / "checkpoint_000003")]
+    assert best.path == storage.join(run, "checkpoint_000002")
+    assert bad == [storage.join(run, "checkpoint_000003")]
 
 
 def test_several_damaged_checkpoints_all_listed(tmp_path):
@@ -227,7 +233,7 @@ def _with_embedding(directory, bounds, n=10, dim=3):
     """A checkpoint whose embedding is in shards ``bounds``; row ``i`` of the table is all ``i``."""
     import numpy as np
 
-    os.makedirs(directory, exist_ok=True)
+    storage.make_dirs(str(directory))
     shards = []
     for lo, hi in bounds:
         w = np.repeat(np.arange(lo, hi, dtype=np.float32)[:, None], dim, axis=1)
@@ -238,11 +244,12 @@ def _with_embedding(directory, bounds, n=10, dim=3):
                     embedding={"num_nodes": n, "dim": dim, "shards": shards})
 
 
-def test_embedding_rows_read_across_any_shards(tmp_path):
+@STORAGE_KINDS
+def test_embedding_rows_read_across_any_shards(storage_path):
     """A reader takes its rows from whichever saved shards overlap them: K=3 files read as K=2 ranges."""
     import numpy as np
 
-    d = tmp_path / "checkpoint_e"
+    d = storage.join(storage_path, "checkpoint_e")
     _with_embedding(d, [(0, 3), (3, 7), (7, 10)])
     assert checkpoint.read_info(str(d)) is not None
     assert checkpoint.corrupt_reason(str(d), ("embedding",)) is None  # the table is in its files, not state.pt
@@ -254,17 +261,17 @@ def test_embedding_rows_read_across_any_shards(tmp_path):
     assert checkpoint.embedding_info(str(d))["dim"] == 3
 
 
-def test_damaged_embedding_shards(tmp_path):
+@STORAGE_KINDS
+def test_damaged_embedding_shards(storage_path):
     """A shard file cut short makes the checkpoint incomplete; shards that leave rows out make it corrupt."""
-    d = tmp_path / "checkpoint_short"
+    d = storage.join(storage_path, "checkpoint_short")
     _with_embedding(d, [(0, 5), (5, 10)])
-    path = d / checkpoint.EMBEDDING_DIR / "rows-000000000005-000000000010" / "exp_avg.npy"
-    with open(path, "r+b") as f:
-        f.truncate(path.stat().st_size - 4)
-    assert checkpoint.read_info(str(d)) is None
+    path = storage.join(d, checkpoint.EMBEDDING_DIR, "rows-000000000005-000000000010", "exp_avg.npy")
+    storage.write_bytes(path, storage.read_bytes(path)[:-4])
+    assert checkpoint.read_info(d) is None
 
-    gap = tmp_path / "checkpoint_gap"
+    gap = storage.join(storage_path, "checkpoint_gap")
     _with_embedding(gap, [(0, 4), (5, 10)])
-    assert "do not cover rows 0-10" in checkpoint.corrupt_reason(str(gap), ("embedding",))
-    latest, bad = checkpoint.latest_valid(str(tmp_path), ("embedding",))
-    assert latest is None and sorted(bad) == [str(gap), str(d)]
+    assert "do not cover rows 0-10" in checkpoint.corrupt_reason(gap, ("embedding",))
+    latest, bad = checkpoint.latest_valid(storage_path, ("embedding",))
+    assert latest is None and sorted(bad) == [gap, d]

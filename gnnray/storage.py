@@ -1,0 +1,274 @@
+"""Where a run keeps its files: a directory, or a URI that ``pyarrow.fs`` resolves (``s3://``, ``gs://``, ``abfs://``).
+
+A location is a plain string, a path or a URI, that any process on any node
+turns into a filesystem and a path (:func:`resolve`); everything gnnray keeps
+(checkpoints, ``metrics.jsonl``, ``workers.jsonl``, the progress file,
+embedding shards, spilled feature shards, predictions) is read and written
+here, one code path for both. Credentials and endpoints come from where
+pyarrow's clients look for them: the environment (``AWS_ACCESS_KEY_ID``, ...,
+``AWS_ENDPOINT_URL`` for an S3-compatible store), ``~/.aws``, the instance's role.
+
+What differs between a file system and an object store stays in this module:
+
+- A write is seen whole or not at all: on a file system through a temporary
+  name and a rename, in an object store by the store itself (an object
+  appears when its upload completes). A writer that raises deletes what it
+  wrote.
+- An object store cannot append: :func:`append` rewrites the object, so it is
+  for small logs only.
+- An object store has no directories: a "directory" is a key prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import posixpath
+import tempfile
+from typing import IO, Callable, Optional
+from urllib.parse import urlsplit
+
+import numpy as np
+
+
+def is_uri(location: str) -> bool:
+    """Whether ``location`` names an object store (or another remote filesystem) rather than a local path."""
+    return "://" in location and not location.startswith("file://")
+
+
+def normalize(location: str) -> str:
+    """A path made absolute (``~`` expanded; ``file://`` dropped), a URI as it is."""
+    if location.startswith("file://"):
+        location = urlsplit(location).path
+    return location if is_uri(location) else os.path.abspath(os.path.expanduser(location))
+
+
+def join(location: str, *parts: str) -> str:
+    """``location`` with ``parts`` appended (a URI keeps its query, e.g. ``?region=...``, at the end)."""
+    if not is_uri(location):
+        return os.path.join(location, *parts)
+    base, sep, query = location.partition("?")
+    return posixpath.join(base, *parts) + sep + query
+
+
+def parent(location: str) -> str:
+    """The directory that holds ``location`` (a URI's query kept)."""
+    if not is_uri(location):
+        return os.path.dirname(normalize(location))
+    base, sep, query = location.partition("?")
+    return posixpath.dirname(base.rstrip("/")) + sep + query
+
+
+@functools.lru_cache(maxsize=None)
+def _filesystem(root: str):
+    # One filesystem per bucket (and query) and process: without a region pyarrow asks S3 for the bucket's.
+    import pyarrow.fs
+
+    fs, base = pyarrow.fs.FileSystem.from_uri(root)
+    if isinstance(fs, pyarrow.fs.S3FileSystem):
+        # Background writes keep every part in flight in memory: on a store slower than the writer, much of the
+        # file (writing a 370 MiB shard to moto's server: +164 MiB of peak memory, +28 MiB without them,
+        # bench/storage.py). A delayed open makes a small file one request instead of a multipart upload's three.
+        rebuild, (options,) = fs.__reduce__()  # from_uri's options, as pickling carries them
+        fs = rebuild({**options, "background_writes": False, "allow_delayed_open": True})
+    return fs, base
+
+
+def resolve(location: str):
+    """``(pyarrow filesystem, path on it)`` of ``location``."""
+    import pyarrow.fs
+
+    if not is_uri(location):
+        return pyarrow.fs.LocalFileSystem(), normalize(location)
+    parts = urlsplit(location)
+    fs, base = _filesystem(f"{parts.scheme}://{parts.netloc}" + (f"?{parts.query}" if parts.query else ""))
+    path = parts.path.strip("/")
+    return fs, posixpath.join(base.rstrip("/"), path) if path else base
+
+
+def write(location: str, fill: Callable[[IO], object], sync: bool = True) -> int:
+    """Write the file ``location`` as ``fill(f)`` writes into ``f``; return its size. Readers see the old file
+    or the whole new one; ``sync``: on a file system, on disk before it is renamed into place."""
+    if not is_uri(location):
+        path = normalize(location)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                fill(f)
+                f.flush()
+                if sync:
+                    os.fsync(f.fileno())
+                size = f.tell()
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        return size
+    fs, path = resolve(location)
+    f = fs.open_output_stream(path)
+    try:
+        fill(f)
+        size = f.tell()
+    except BaseException:
+        # pyarrow's streams have no abort: closing completes the upload, so what was written is deleted.
+        try:
+            f.close()
+            fs.delete_file(path)
+        except OSError:  # the store failed too: the writer's error says more
+            pass
+        raise
+    f.close()
+    return size
+
+
+def write_bytes(location: str, data: bytes, sync: bool = True) -> int:
+    return write(location, lambda f: f.write(data), sync)
+
+
+def read_bytes(location: str) -> bytes:
+    """The whole file ``location`` (:class:`FileNotFoundError` if there is none)."""
+    fs, path = resolve(location)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def append(location: str, data: bytes) -> None:
+    """Add ``data`` at the end of the file ``location`` (one writer at a time). An object store cannot append:
+    there the object is read and written again whole, which suits small logs only."""
+    if not is_uri(location):
+        path = normalize(location)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "ab") as f:
+            f.write(data)
+        return
+    try:
+        old = read_bytes(location)
+    except FileNotFoundError:
+        old = b""
+    write_bytes(location, old + data)
+
+
+def read_from(location: str, offset: int) -> bytes:
+    """The bytes of the file ``location`` after its first ``offset`` (none if it is missing or no longer)."""
+    fs, path = resolve(location)
+    try:
+        f = fs.open_input_file(path)  # an object store: one request for the size, one more only if it grew
+    except FileNotFoundError:
+        return b""
+    with f:
+        end = f.size()
+        return f.read_at(end - offset, offset) if end > offset else b""
+
+
+def size(location: str) -> Optional[int]:
+    """Bytes of the file ``location``, or ``None`` if there is no file there."""
+    import pyarrow.fs
+
+    fs, path = resolve(location)
+    info = fs.get_file_info(path)
+    return info.size if info.type == pyarrow.fs.FileType.File else None
+
+
+def list_dirs(location: str) -> list[str]:
+    """Names of the directories (an object store: prefixes) directly under ``location``, sorted; none if missing."""
+    import pyarrow.fs
+
+    fs, path = resolve(location)
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
+    return sorted(i.base_name for i in infos if i.type == pyarrow.fs.FileType.Directory)
+
+
+def make_dirs(location: str) -> None:
+    """Create the directory ``location`` and its parents; nothing in an object store, where a prefix exists once
+    an object is under it."""
+    if not is_uri(location):
+        os.makedirs(normalize(location), exist_ok=True)
+
+
+def delete(location: str) -> None:
+    """Delete the file ``location``, if there is one."""
+    fs, path = resolve(location)
+    try:
+        fs.delete_file(path)
+    except FileNotFoundError:
+        pass
+
+
+def check_writable(location: str) -> None:
+    """Create ``location``, write a small file into it and delete it; raise what the filesystem raised."""
+    make_dirs(location)
+    probe = join(location, f".write-test-{os.getpid()}")
+    write_bytes(probe, b"ok", sync=False)
+    delete(probe)
+
+
+# ---------------------------------------------------------------------------------------------------- .npy files
+
+def save_npy(location: str, array: np.ndarray) -> int:
+    """Write ``array`` (C order) as the ``.npy`` file ``location``; return its size. numpy writes a stream in
+    chunks of 16 MiB, so nothing is copied whole."""
+    return write(location, lambda f: np.save(f, np.ascontiguousarray(array)))
+
+
+def _npy_header(f) -> tuple[tuple, np.dtype, int]:
+    """``(shape, dtype, offset of the data)`` of the ``.npy`` file open as ``f`` (random access)."""
+    from numpy.lib import format as npy
+
+    def parse(stream):
+        version = npy.read_magic(stream)  # np.save writes 1.0, or 2.0 for a header over 64 KiB
+        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        return (*read(stream), stream.tell())
+
+    try:  # one request for the header (np.save pads it to 128 bytes for a few dimensions), not one per field
+        shape, fortran, dtype, offset = parse(io.BytesIO(f.read_at(min(f.size(), 4096), 0)))
+    except ValueError:  # a longer header
+        f.seek(0)
+        shape, fortran, dtype, offset = parse(f)
+    if fortran:
+        raise ValueError("a Fortran-ordered .npy file (gnnray writes C order only)")
+    return shape, dtype, offset
+
+
+def npy_header(location: str) -> tuple[tuple, np.dtype]:
+    """``(shape, dtype)`` of the array in the ``.npy`` file ``location`` (only its header is read)."""
+    fs, path = resolve(location)
+    with fs.open_input_file(path) as f:
+        return _npy_header(f)[:2]
+
+
+def npy_rows(location: str, lo: int, hi: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` of the array in the ``.npy`` file ``location``, and no other: a file is memory-mapped
+    (the rows are read when used), an object is read by one ranged request."""
+    if not is_uri(location):
+        return np.load(normalize(location), mmap_mode="r")[lo:hi]
+    fs, path = resolve(location)
+    with fs.open_input_file(path) as f:
+        shape, dtype, offset = _npy_header(f)
+        hi = min(hi, shape[0])
+        row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        out = np.empty((max(0, hi - lo), *shape[1:]), dtype=dtype)
+        if out.size:
+            f.seek(offset + lo * row)
+            got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+            if got != out.nbytes:
+                raise EOFError(f"{location}: {got} bytes where rows {lo}-{hi} need {out.nbytes}")
+        return out
+
+
+def mapped_npy(location: str) -> np.ndarray:
+    """The array of the ``.npy`` file ``location``, memory-mapped read-only. An object is first copied to a
+    file on this node's disk, which is unlinked at once: the mapping keeps it until the array is freed."""
+    if not is_uri(location):
+        return np.load(normalize(location), mmap_mode="r")
+    fs, path = resolve(location)
+    fd, local = tempfile.mkstemp(suffix=".npy", prefix="gnnray-")
+    try:
+        with os.fdopen(fd, "wb") as out, fs.open_input_stream(path) as f:
+            while chunk := f.read(64 * 2**20):
+                out.write(chunk)
+        return np.load(local, mmap_mode="r")
+    finally:
+        os.remove(local)
