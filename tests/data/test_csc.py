@@ -116,16 +116,20 @@ def test_the_one_range_build_equals_dgls_csc(self_loops):
     assert columns(indptr, indices) == want_cols
 
 
-def test_memory_mapped_edges(tmp_path):
-    """Edge lists may be memory-mapped (read-only): they are read in chunks, never written, into the CSC that
-    in-memory edges give."""
-    n = 100
+def _mapped_build(tmp_path, n: int = 100):
+    """Memory-mapped edge lists, and the CSC built from them in chunks: ``(src, dst, mapped, indptr, indices)``."""
     src, dst = edges(2, n, 800, np.int64)
     np.save(tmp_path / "src.npy", src)
     np.save(tmp_path / "dst.npy", dst)
     mapped = [np.load(tmp_path / f, mmap_mode="r") for f in ("src.npy", "dst.npy")]
-    indptr, indices = bidirected_csc(*mapped, n, True, chunk=64, range_edges=100)
-    want_ptr, want = bidirected_csc(src.copy(), dst.copy(), n, True)
+    return src, dst, mapped, *bidirected_csc(*mapped, n, True, chunk=64, range_edges=100)
+
+
+def test_memory_mapped_edges(tmp_path):
+    """Edge lists may be memory-mapped (read-only): they are read in chunks, never written, into the CSC that
+    in-memory edges give."""
+    src, dst, mapped, indptr, indices = _mapped_build(tmp_path)
+    want_ptr, want = bidirected_csc(src.copy(), dst.copy(), 100, True)
     np.testing.assert_array_equal(indptr, want_ptr)
     assert columns(indptr, indices) == columns(want_ptr, want)
     np.testing.assert_array_equal(mapped[0], src)  # never written
@@ -134,13 +138,8 @@ def test_memory_mapped_edges(tmp_path):
 
 @pytest.mark.dgl
 def test_memory_mapped_edges_give_dgls_csc(tmp_path):
-    n = 100
-    src, dst = edges(2, n, 800, np.int64)
-    np.save(tmp_path / "src.npy", src)
-    np.save(tmp_path / "dst.npy", dst)
-    mapped = [np.load(tmp_path / f, mmap_mode="r") for f in ("src.npy", "dst.npy")]
-    indptr, indices = bidirected_csc(*mapped, n, True, chunk=64, range_edges=100)
-    want_ptr, want_cols = dgl_csc(src, dst, n, True, True)
+    src, dst, _, indptr, indices = _mapped_build(tmp_path)
+    want_ptr, want_cols = dgl_csc(src, dst, 100, True, True)
     np.testing.assert_array_equal(indptr, want_ptr)
     assert columns(indptr, indices) == want_cols
 
