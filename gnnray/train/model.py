@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from gnnray.errors import CheckpointError
-from gnnray.train.conv import Csr, GATConv, GraphConv, SAGEConv, attend, mean
+from gnnray.train.conv import Csr, Dropout, GATConv, GraphConv, SAGEConv, attend, mean
 
 MODELS = ("sage", "gat", "gcn", "rgat", "rsage")
 
@@ -77,7 +77,7 @@ class GraphSAGE(_LayeredGNN):
         super().__init__()
         sizes = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
         self.layers = nn.ModuleList(SAGEConv(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
 
 class GAT(_LayeredGNN):
@@ -101,7 +101,7 @@ class GAT(_LayeredGNN):
         sizes = [in_feats] + [hidden * heads] * (num_layers - 1)
         outs = [(hidden, heads)] * (num_layers - 1) + [(num_classes, 1)]
         self.layers = nn.ModuleList(GATConv(a, out, h, attn_drop=dropout) for a, (out, h) in zip(sizes, outs))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def layer(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
         h = self.layers[i](layer, h)  # (dst nodes, heads, out)
@@ -132,7 +132,7 @@ class GCN(_LayeredGNN):
         super().__init__()
         sizes = [in_feats] + [hidden] * (num_layers - 1) + [num_classes]
         self.layers = nn.ModuleList(GraphConv(a, b, norm="right") for a, b in zip(sizes[:-1], sizes[1:]))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
 
 def relation_patterns(layer, num_relations: int) -> tuple[Csr, Csr]:
@@ -245,9 +245,9 @@ class RGAT(_Relational):
                                    for a in sizes)
         self.skips = nn.ModuleList(nn.Linear(a, width) for a in sizes)
         self.norms = nn.ModuleList(SyncBatchNorm(width) for _ in sizes)
-        self.mlp = nn.Sequential(nn.Linear(width, width), SyncBatchNorm(width), nn.ReLU(), nn.Dropout(dropout),
+        self.mlp = nn.Sequential(nn.Linear(width, width), SyncBatchNorm(width), nn.ReLU(), Dropout(dropout),
                                  nn.Linear(width, num_classes))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def layer(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
         convs = self.convs[i]
@@ -290,7 +290,7 @@ class RSAGE(_Relational):
         self.selfs = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
         self.convs = nn.ModuleList(nn.ModuleList(nn.Linear(a, b, bias=False) for _ in range(num_relations))
                                    for a, b in zip(sizes[:-1], sizes[1:]))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def layer(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
         selfs, convs = self.selfs[i], self.convs[i]
