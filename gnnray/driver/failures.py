@@ -29,6 +29,22 @@ def one_line(e: BaseException) -> str:
     return line
 
 
+def stack_mismatch(e: BaseException) -> str:
+    """The message of a rank's :class:`~gnnray.stack.StackError` among ``e``'s failures (a node whose stack
+    differs from the driver's), or ``""``: restarting would only meet that node again."""
+    from gnnray.stack import StackError
+
+    for err in (getattr(e, "worker_failures", None) or {}).values():
+        found = err if isinstance(err, StackError) else getattr(err, "cause", None)
+        if isinstance(found, StackError):
+            return str(found)
+        marker = f"{StackError.__name__}: "
+        line = next((l for l in str(err).splitlines() if marker in l), "")
+        if line:
+            return line.split(marker, 1)[1].strip()
+    return ""
+
+
 def node_of(err: BaseException) -> str:
     """`` on node IP (ID)`` of a worker whose actor died or became unreachable, so a lost node is named.
 

@@ -5,6 +5,7 @@ The stages it wires are listed in ``gnnray/__init__.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -18,8 +19,8 @@ from gnnray.data.graph import Graph
 from gnnray.data.load import check_dataset
 from gnnray.data.store import GraphHandle
 from gnnray.driver import launch, preflight
-from gnnray.driver.failures import one_line
-from gnnray.errors import CheckpointError, ConfigError
+from gnnray.driver.failures import one_line, stack_mismatch
+from gnnray.errors import CheckpointError, ClusterError, ConfigError
 
 # torch, Ray Train and what imports them (the console too, through gnnray.train.report) are imported where
 # used: the driver starts Ray first, and a local cluster starts while torch is imported (launch.load_and_publish).
@@ -111,13 +112,13 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         setup = WorkerSetup(cfg, pub.handle, first_epoch, latest.path if latest else None, restarts, run_dir,
                             model_factory, owners, cpu, first_step, stack.versions(cfg.sampler.backend))
         if cfg.train.elastic:  # Ray Train resizes and restarts it, all within one fit
-            with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers):
+            with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers), _no_other_stack():
                 _fit_elastic(cfg, setup, graph, use_gpu, pub.local)
             latest, _ = checkpoint.latest_valid(run_dir)
             return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory),
                             int(latest.metrics.get("restarts", 0)))
         try:
-            with console.EpochPrinter(run_dir, cfg.train.epochs):
+            with console.EpochPrinter(run_dir, cfg.train.epochs), _no_other_stack():
                 _fit(cfg, setup, graph, use_gpu, pub.local)
         except ray.train.TrainingFailedError as e:
             if restarts >= cfg.run.max_failures:
@@ -130,6 +131,21 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             continue
         latest, _ = checkpoint.latest_valid(run_dir)
         return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory), restarts)
+
+
+@contextlib.contextmanager
+def _no_other_stack():
+    """A failure because a rank's node has another stack than the driver's is a :class:`ClusterError`, said in one
+    line and not restarted: every restart would place a rank there again."""
+    import ray.train
+
+    try:
+        yield
+    except ray.train.TrainingFailedError as e:
+        line = stack_mismatch(e)
+        if line:
+            raise ClusterError(line) from None
+        raise
 
 
 def _plan(cfg: JobConfig, graph: Graph) -> list:

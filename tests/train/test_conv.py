@@ -238,3 +238,36 @@ def test_the_models_import_no_dgl():
     recorded, should something catch the failure): here beside DGL as well as without it."""
     proc = subprocess.run([sys.executable, "-c", NO_DGL_SCRIPT], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.split() == ["no", "dgl"], proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("p", [0.5, 0.1, 0.9])
+def test_cpu_dropout_keeps_one_minus_p_and_scales_as_torchs(p):
+    """gnnray's CPU dropout: each element kept with probability 1 - p (binomial bounds at 6 sigma), kept ones
+    scaled by 1 / (1 - p), the gradient through the same mask, the mask fixed by torch's seed, identity in eval."""
+    from gnnray.train.conv import Dropout
+
+    drop = Dropout(p).train()
+    x = torch.rand(300, 1000) + 1.0  # no zeros: a zero output means dropped
+    torch.manual_seed(3)
+    y = drop(x.requires_grad_())
+    kept = y != 0
+    n, k = kept.numel(), int(kept.sum())
+    assert abs(k - n * (1 - p)) < 6 * (n * p * (1 - p)) ** 0.5, (k, n)
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    torch.manual_seed(3)
+    assert torch.equal(drop(x.detach()) != 0, kept)  # the same seed, the same mask
+    assert not torch.equal(drop(x.detach()) != 0, kept)  # the generator moved on: another mask
+    assert torch.equal(drop.eval()(x.detach()), x.detach())
+
+
+def test_cpu_dropout_picks_positions_uniformly():
+    """Every position is dropped about as often (a column bias would show here), over 200 draws of 16 x 64."""
+    from gnnray.train.conv import Dropout
+
+    torch.manual_seed(0)
+    drop, x = Dropout(0.5).train(), torch.ones(16, 64)
+    counts = sum((drop(x) == 0).float() for _ in range(200))
+    stat = float(((counts - 100) ** 2 / 50).sum())  # chi-square, 1024 cells of Binomial(200, 1/2)
+    assert stat < 1024 + 6 * (2 * 1024) ** 0.5, stat
