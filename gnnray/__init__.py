@@ -26,7 +26,9 @@ step  file                        runs on                 output
   its place in the object store (``store.py``, ``shards.py``; ``hidden_rows.py``:
   the shard servers' hold of layer-wise inference's hidden tables).
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
-  wire format, ``stream.py`` builds the Ray Data stream in one place.
+  wire format, ``stream.py`` builds the Ray Data stream in one place;
+  ``pick.py`` holds the sampler's kernels (numba), ``graphbolt.py`` DGL's
+  sampler behind ``--sampler graphbolt`` (the ``dgl`` extra).
 - ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it), plus ``embedding.py`` (``--embedding-dim``)
   and ``checkpoint.py`` (written by rank 0 and, for embedding rows, by their owners; chosen by the driver).
 - ``driver/``: ``cli.py`` (exit codes) -> ``fit.py`` (resume, restarts, final
@@ -38,6 +40,7 @@ step  file                        runs on                 output
   with ``--feature-shards``); ``inference/layerwise.py`` runs the same code in
   one Ray task for ``jobs/predict.py``.
 - Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
+  ``stack.py`` (the versions every node must share with the driver),
   ``metrics.py`` (Prometheus metrics of workers and sampler actors), ``storage.py`` (the files a run keeps, in a
   directory or an object store, through ``pyarrow.fs``).
 """
