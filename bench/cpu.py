@@ -12,8 +12,10 @@ windows here are steady epochs, where no process ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+import threading
+from typing import Callable, Iterator, Optional
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -81,3 +83,30 @@ def between(before: dict, after: dict) -> dict:
     out["machine"] = after["machine"] - before["machine"]
     out["other"] = out["machine"] - sum(v for k, v in out.items() if k != "machine")
     return out
+
+
+@contextlib.contextmanager
+def on_new_lines(path, snap: Callable[[], object], every_s: float = 0.1) -> Iterator[list]:
+    """While the block runs, ``snap()`` each time a line is added to the file at ``path`` (a run's
+    ``metrics.jsonl``, one line per epoch); yields the list the snapshots go to."""
+    snaps: list = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        seen = 0
+        while not stop.wait(every_s):
+            try:
+                n = open(path).read().count("\n")
+            except OSError:
+                continue
+            if n > seen:
+                seen = n
+                snaps.append(snap())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield snaps
+    finally:
+        stop.set()
+        watcher.join()

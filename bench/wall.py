@@ -32,13 +32,13 @@ the table of where the time goes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import typing
 from pathlib import Path
@@ -85,26 +85,11 @@ def timed(name: str, cmd: list[str], on_epoch_log: typing.Optional[Path] = None)
     With ``on_epoch_log``, every process's CPU time is snapshot each time a
     line is added to that file (the run's ``metrics.jsonl``).
     """
-    snaps, stop = [], threading.Event()
-
-    def watch() -> None:
-        seen = 0
-        while not stop.wait(0.1):
-            try:
-                n = on_epoch_log.read_text().count("\n")
-            except OSError:
-                continue
-            if n > seen:
-                seen = n
-                snaps.append(cpu.snapshot())
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    if on_epoch_log:
-        watcher.start()
-    start, busy = time.perf_counter(), cpu.machine_busy_s()
-    proc = subprocess.run(cmd, cwd=REPO, env=USER_ENV, capture_output=True, text=True, timeout=3600)
-    wall, busy = time.perf_counter() - start, cpu.machine_busy_s() - busy
-    stop.set()
+    watching = cpu.on_new_lines(on_epoch_log, cpu.snapshot) if on_epoch_log else contextlib.nullcontext([])
+    with watching as snaps:
+        start, busy = time.perf_counter(), cpu.machine_busy_s()
+        proc = subprocess.run(cmd, cwd=REPO, env=USER_ENV, capture_output=True, text=True, timeout=3600)
+        wall, busy = time.perf_counter() - start, cpu.machine_busy_s() - busy
     if proc.returncode:
         tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
         raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")

@@ -81,9 +81,7 @@ def tree_cpu_s(root: int) -> float:
 def bench_cluster_cpu(ss: ShardSettings, data, workdir: Path, out: dict) -> list[Row]:
     """CPU-seconds of the job's processes per steady epoch (epochs 2.., each window one epoch line to the
     next), K = max(shards) against K = 1, alternating; the whole machine's busy CPU beside it (polluted)."""
-    import threading
-
-    from bench.cpu import machine_busy_s
+    from bench.cpu import machine_busy_s, on_new_lines
     from gnnray.driver.fit import run
 
     k = max(ss.shards)
@@ -96,24 +94,9 @@ def bench_cluster_cpu(ss: ShardSettings, data, workdir: Path, out: dict) -> list
             cfg = job_config(dataclasses.replace(data, feature_shards=shards, feature_cache=ss.cache), s, workdir,
                              name)
             log = Path(cfg.run.storage_path) / name / "metrics.jsonl"
-            snaps, stop = [], threading.Event()
-
-            def watch() -> None:
-                seen = 0
-                while not stop.wait(0.05):
-                    try:
-                        n = log.read_text().count("\n")
-                    except OSError:
-                        continue
-                    if n > seen:
-                        seen = n
-                        snaps.append((time.perf_counter(), tree_cpu_s(os.getpid()), machine_busy_s()))
-
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
-            run(cfg)
-            stop.set()
-            watcher.join()
+            snap = lambda: (time.perf_counter(), tree_cpu_s(os.getpid()), machine_busy_s())  # noqa: E731
+            with on_new_lines(log, snap, every_s=0.05) as snaps:
+                run(cfg)
             windows = [dict(wall_s=b[0] - a[0], job_cpu_s=b[1] - a[1], machine_cpu_s=b[2] - a[2])
                        for a, b in zip(snaps, snaps[1:])]
             runs[shards].append(windows)
