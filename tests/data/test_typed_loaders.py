@@ -176,7 +176,7 @@ def test_mag240m_replica_layout_builds_the_typed_csc_from_the_edge_files(tmp_pat
     a = int(writes[0, 0])
     np.testing.assert_allclose(g.feat[offset["author"] + a].astype(np.float32),
                                paper[writes[1, writes[0] == a]].astype(np.float32).mean(0), rtol=2e-3, atol=2e-3)
-    split = torch.load(d / "split_dict.pt")
+    split = torch.load(d / "split_dict.pt", weights_only=False)  # numpy arrays, as OGB-LSC writes them
     assert g.train_idx.tolist() == split["train"].tolist()
     assert sorted(g.valid_idx.tolist() + g.test_idx.tolist()) == split["valid"].tolist()  # test-dev is unlabelled
     assert (g.label[g.train_idx] >= 0).all() and (g.label[counts["paper"]:] == -1).all()
