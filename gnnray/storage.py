@@ -52,6 +52,11 @@ def join(location: str, *parts: str) -> str:
     return posixpath.join(base, *parts) + sep + query
 
 
+def run_dir(storage_path: str, name: str) -> str:
+    """The directory of run ``name`` under ``--storage-path`` (``STORAGE_PATH/NAME``, a path or a URI)."""
+    return join(normalize(storage_path), name)
+
+
 def parent(location: str) -> str:
     """The directory that holds ``location`` (a URI's query kept)."""
     if not is_uri(location):

@@ -288,7 +288,7 @@ def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource
     from gnnray.data.features import spill
     from gnnray.data.shards import shard_bounds
 
-    run_dir = storage.join(storage.normalize(cfg.run.storage_path), cfg.run.name)  # a path or a URI
+    run_dir = storage.run_dir(cfg.run.storage_path, cfg.run.name)
     return spill(source, shard_bounds(source.num_rows, cfg.data.feature_shards),
                  storage.join(run_dir, "feature-spill"), cfg.data.feature_dtype, graph.label)
 

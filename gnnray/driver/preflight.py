@@ -316,7 +316,7 @@ def check_storage(cfg: JobConfig) -> str:
     from gnnray import storage
 
     given = cfg.run.storage_path
-    run_dir = storage.join(storage.normalize(given), cfg.run.name)
+    run_dir = storage.run_dir(given, cfg.run.name)
     try:
         storage.check_writable(run_dir)
     except (OSError, ValueError) as e:  # pyarrow: OSError from the store, ArrowInvalid (a ValueError) for the URI

@@ -218,7 +218,8 @@ class EmbeddingTable:
 
         grad = self._rows.grad if self._rows is not None and self._ids is not None and len(self._ids) else None
         ids = self._ids if grad is not None else np.empty(0, dtype=np.int64)
-        group = dist.is_available() and dist.is_initialized()
+        # One rank (a single worker's group) has nothing to exchange or reduce: no collective on its hot path.
+        group = dist.is_available() and dist.is_initialized() and dist.get_world_size(self._group) > 1
         nccl = group and dist.get_backend() == "nccl"
         if group:  # every rank's ids (host arrays), over gloo: the union's rows are then reduced in one piece
             every = [None] * dist.get_world_size(self._group)
