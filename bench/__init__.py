@@ -41,7 +41,7 @@ each module's docstring says exactly what it times:
    against processes that each copy it (``memory.py``). Target: <5% of the
    graph's size per process.
 5. GPU path: how much of the host-to-device copy the ``Prefetcher`` hides
-   behind compute (``gpu.py``); "n/a" without a GPU.
+   behind compute (``gpu/prefetch.py``); "n/a" without a GPU.
 
 And, without targets:
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One pass on a GPU machine, most important first: whole Ray jobs training on the GPU (one train worker fed by 1, 2,
 # 4 and 8 sampler actors; a synthetic graph with learnable embeddings), then the CUDA tests, bench.gpu and the
-# sampler's speed on this machine's cores. docs/performance.md ("GPU") has
+# sampler's speed on this machine's cores. docs/performance.md#gpu has
 # the figures. Usage, from the repository root with gnnray's dependencies importable:
 #   bash bench/gpu_run.sh OUT_DIR [ARXIV_STRUCTURE_DIR]
 # USE_GPU=no rehearses it on a CPU. The lent GPU machines lack Ray: carry ../shared/tools/gpu-wheels.sh's .whl/ and install it first.

@@ -21,7 +21,7 @@ included). That CPU figure does not depend on how many cores the machine has.
 
 The pairs run in ``--wall-repeats`` rounds, each round every configuration
 once in turn, and each figure is the median over the rounds. Whole runs on
-one machine drift by 10-15% between hours (docs/performance.md): only
+one machine drift by 10-15% between hours (docs/performance.md#current-figures): only
 configurations interleaved within one benchmark run are compared.
 
 During ours' long run, :mod:`bench.cpu` snapshots every process's CPU time

@@ -183,7 +183,7 @@ class TrainConfig(_Options):
     weight_decay: float = option(0.0, "Adam weight decay", **at_least(0))
     num_workers: tuple[int, ...] = option((2,), "Ray Train workers (DDP ranks); MIN,MAX makes the run elastic: it "
                                           "starts once MIN fit, grows to MAX as nodes join and shrinks when nodes "
-                                          "leave, the global batch staying --batch-size x MAX (README, Elastic runs)",
+                                          "leave, the global batch staying --batch-size x MAX (docs/elastic.md)",
                                           metavar="N|MIN,MAX", check=lambda w: len(w) in (1, 2) and 1 <= w[0] <= w[-1],
                                           need="expected N, or MIN,MAX with 1 <= MIN <= MAX")
     resize_interval: float = option(60.0, "with --num-workers MIN,MAX: seconds between Ray Train's looks for nodes "
@@ -250,7 +250,7 @@ class RunConfig(_Options):
                                    "failure or resize trains at most that many again (0: at epoch ends only, as "
                                    "--checkpoint-interval says)", metavar="STEPS", **at_least(0))
     seed: int = option(0, "random seed (shuffling, initialisation, synthetic data, random features)")
-    verbose: bool = option(False, "also print Ray's own INFO logs (otherwise in its session logs, see README)")
+    verbose: bool = option(False, "also print Ray's own INFO logs (otherwise in its session logs, see docs/running.md)")
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ the worker is not pinned: it cannot tell that those cores are its own. Both
 are ``flock`` locks, which the kernel drops when their process ends, however
 it ends: a crashed run leaves no stale claim behind.
 
-docs/performance.md has each part measured on and off.
+docs/performance.md#where-the-figures-come-from has each part measured on and off.
 """
 
 from __future__ import annotations

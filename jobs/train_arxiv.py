@@ -14,7 +14,8 @@ import sys
 # --working-dir .`) without installing it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Arrow's default pool (mimalloc) kept the freed buffers of the Parquet read, 3.6 GB after a 250 M-edge graph
-# directory, through the whole CSC build (docs/performance.md). Read when pyarrow loads: set before any import.
+# directory, through the whole CSC build (docs/performance.md#loading-and-memory).
+# Read when pyarrow loads: set before any import.
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 from gnnray.driver.cli import main  # noqa: E402

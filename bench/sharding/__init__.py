@@ -25,7 +25,7 @@ is loopback between the stores):
 4. **Throughput** (``training.py``): ``gnnray.driver.fit.run`` with K = 3 against K = 1,
    interleaved in pairs; the last epoch's ``seeds_per_s`` (median over
    pairs); and the gather alone, rows/s, K = 3 against K = 1.
-5. **Sampling only** (``sampling.py``; no Ray; the basis of docs/scaling.md's extrapolation):
+5. **Sampling only** (``sampling.py``; no Ray; the basis of docs/scaling.md#what-a-batch-reaches):
    on the arxiv structure and on larger synthetic graphs, input nodes per
    batch of 1024, and with a batch small enough that its reach is 2% of the
    graph (papers100M's regime, see :func:`bench_extrapolation`) input nodes

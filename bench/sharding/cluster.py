@@ -23,7 +23,7 @@ class SimulatedCluster:
 
     ``RAY_ADDRESS`` names the new cluster before it starts: Ray Train's
     placement-group cleaner looks its cluster up through it, and could find
-    another Ray cluster on this machine otherwise (docs/performance.md).
+    another Ray cluster on this machine otherwise (docs/performance.md#time-between-epochs).
     """
 
     def __init__(self, ss: ShardSettings, verbose: bool):

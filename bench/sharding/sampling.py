@@ -1,4 +1,4 @@
-"""5. Sampling only (no Ray, one process): what a batch reaches, the basis of docs/scaling.md's extrapolation."""
+"""5. Sampling only (no Ray, one process): what a batch reaches, the basis of docs/scaling.md#what-a-batch-reaches."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def bench_extrapolation(ss: ShardSettings) -> list[Row]:
     reaches most nodes (its input nodes saturate and every cache hit rate tends
     to the cached share of nodes). ogbn-papers100M's 111 M nodes are ~100x a
     batch's reach: the small batch keeps that ratio, so its input nodes per
-    seed and hit rates are the ones to scale (docs/scaling.md).
+    seed and hit rates are the ones to scale (docs/scaling.md#what-a-batch-reaches).
     """
     from bench.common import DEFAULT_DATASET
     from gnnray.config import DataConfig

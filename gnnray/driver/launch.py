@@ -52,7 +52,7 @@ def init_ray(cfg: JobConfig) -> bool:
     # The dashboard's Train view lists only runs whose driver tracks Train state.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     # Ray Train's controller takes one report per worker per poll (2 s by default), and a worker's report waits
-    # for the previous one to be taken: short epochs would each last a poll (docs/performance.md).
+    # for the previous one to be taken: short epochs would each last a poll (docs/performance.md#time-between-epochs).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.05")
     # Raised by Ray Train's own use of ExecutionOptions (in this process and in its controller), not by
     # anything a user can change: hidden here and in the processes of a local cluster, which inherit it.

@@ -12,14 +12,14 @@ Why one flat integer array per batch: every part (ids, labels, CSC offsets
 and indices) is an integer, so packing is one ``np.concatenate`` and unpacking
 is slicing (views, no copy). The array is int32 for graphs under 2**31 nodes
 (:func:`id_dtype`): local ids always fit, and half the bytes halves the copies
-Ray Data makes of every row (sizes in docs/performance.md).
+Ray Data makes of every row (sizes in docs/performance.md#the-data-path-and-why).
 
 Why an Arrow ``large_list`` column (:func:`to_arrow` / :func:`from_arrow`): a
 sampler actor emits several mini-batches per call as one table whose values
 are one buffer, and a train worker reads whole blocks and slices rows out of
 them zero-copy. Ray Data's tensor columns cost several times more per row:
 rows of different lengths become variable-shaped tensors, re-encoded at every
-step (docs/performance.md). Features are not shipped: the worker gathers them
+step (docs/performance.md#the-data-path-and-why). Features are not shipped: the worker gathers them
 from the node-shared feature array, which keeps a batch many times smaller.
 
 Typed graphs: each layer also carries each sampled edge's relation

@@ -168,7 +168,7 @@ def take_rows(table: np.ndarray, ids: np.ndarray, out: np.ndarray, rows: Optiona
     temporary where the dtypes match.
 
     torch's ``index_select``, not ``np.take``: it runs on torch's threads, and ``np.take(..., out=)`` buffers
-    its whole output (mode "raise"), 3x slower even on one thread (docs/performance.md). Ids out of range
+    its whole output (mode "raise"), 3x slower even on one thread (docs/performance.md#benchgpu). Ids out of range
     raise, as np.take's did.
     """
     src, dst = readonly_tensor(table), torch.from_numpy(out)  # the table may be the store's read-only pages

@@ -48,7 +48,7 @@ class HostSlot:
     """Reusable host buffers for one in-flight mini-batch.
 
     Reuse matters: gathering into fresh memory costs about twice as much,
-    mostly page faults (docs/performance.md).
+    mostly page faults (docs/performance.md#the-data-path-and-why).
     """
 
     def __init__(self, pin: bool):

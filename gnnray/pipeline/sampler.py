@@ -54,7 +54,7 @@ class Sampler:
     (:func:`~gnnray.pipeline.pick.batch_key`), not on ``threads``. Numbering
     uses a node-sized table of this process (4 bytes a node below 2**31 nodes,
     its pages touched as nodes are first met): a pass over each layer's picks,
-    where a hash map was slower (docs/performance.md).
+    where a hash map was slower (docs/performance.md#sampling).
 
     Args:
         graph: The graph, usually read-only views on the object store.

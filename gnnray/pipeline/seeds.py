@@ -10,7 +10,7 @@ Why row numbers and not seeds: the dataset is built from in-memory blocks
 (``ray.data.from_blocks``), so it runs no Ray tasks. Computing the seeds in
 read tasks made every task receive and shuffle the whole split, costing as
 much CPU as sampling the row; an actor shuffles each epoch once and then only
-slices (docs/performance.md).
+slices (docs/performance.md#the-data-path-and-why).
 
 One dataset spans all epochs so the sampler actor pool starts once per run,
 not once per epoch (a pool's start is dominated by importing torch and DGL). Each epoch is a fresh permutation seeded by (run seed, epoch), so a
@@ -44,7 +44,7 @@ import numpy as np
 
 # A block is one sampler-actor call: Ray Data's fixed work per call is spread
 # over its rows, and 16 was where larger blocks stopped helping
-# (docs/performance.md). Blocks are also the units the pool shares out, so
+# (docs/performance.md#the-data-path-and-why). Blocks are also the units the pool shares out, so
 # they stay small: one block per epoch left all but one actor idle.
 ROWS_PER_BLOCK = 16
 # ...but at most this many blocks: each is one ray.put on the driver, so a

@@ -83,7 +83,7 @@ def read_ahead_rows(cfg: JobConfig, block: int, workers: Optional[int] = None, a
     liveness guard, one block at a time. ``--max-ahead`` auto gives each actor
     three (the one it samples, one queued behind it, one done and waiting to be
     handed out): with one, an actor idles between calls while its output waits
-    (docs/performance.md). ``workers`` and ``actors`` (the pool's MAX) default
+    (docs/performance.md#where-the-figures-come-from). ``workers`` and ``actors`` (the pool's MAX) default
     to the job's largest.
 
     Raises:

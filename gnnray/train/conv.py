@@ -34,7 +34,7 @@ class Dropout(nn.Dropout):
 
     torch's CPU ``bernoulli_`` draws one number per element on one thread (MKL's vector draw is gone from
     current torch): on torch 2.13 a SAGE step's two dropouts took 197 of its 343 ms on an arxiv batch, against 16
-    of 106 ms on torch 2.2.1 (docs/performance.md, "Models"). The keep probability is ``1 - p`` to within
+    of 106 ms on torch 2.2.1 (docs/performance.md#models). The keep probability is ``1 - p`` to within
     2**-16, the draws still come from ``torch.manual_seed``'s generator, and CUDA tensors keep torch's dropout.
     """
 
@@ -157,7 +157,7 @@ def _product(csr: Csr, values: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     if csr.nnz == 0 or csr.num_rows == 0:
         return h.new_zeros((csr.num_rows,) + h.shape[1:])
     # embedding_bag is a sparse product whose "bags" are CSR rows: 2-3x faster on CPU than torch's sparse CSR
-    # product and DGL's (docs/performance.md), and a CUDA kernel too.
+    # product and DGL's (docs/performance.md#the-models), and a CUDA kernel too.
     out = F.embedding_bag(csr.indices, h.reshape(h.shape[0], -1), csr.indptr, mode="sum",
                           per_sample_weights=values.to(h.dtype), include_last_offset=True)
     return out.view((csr.num_rows,) + h.shape[1:])

@@ -35,7 +35,7 @@ copied again: every rank knows which rows each step touched (the all-reduced
 gradient's ids), so a batch gets exactly the rows a lookup at its step would.
 The table and its update stay on the host: a node table is far larger than a
 GPU. So on a GPU the reduced gradient comes back to the host once per step
-(``step``), the step's one read-back (README, "What runs where").
+(``step``), the step's one read-back (docs/models.md#learnable-embeddings).
 
 Checkpoints by shard: whoever holds rows writes them and their optimizer state
 into the checkpoint directory (``train.checkpoint.write_rows``: an owner on its

@@ -18,8 +18,8 @@ its node's store:
 So a shard node's store holds at most its range's rows of two tables, the one
 a layer reads and the one it writes: 2 x table / K for equal widths
 (:func:`gnnray.data.shards.hidden_nbytes`, checked before training by
-:func:`gnnray.driver.preflight.check_layerwise`). docs/scaling.md has the
-measurement.
+:func:`gnnray.driver.preflight.check_layerwise`). docs/scaling.md#where-layer-wise-inferences-hidden-tables-live
+has the measurement.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def train_loop(config: dict) -> None:
     setup: WorkerSetup = config["setup"]
     cfg = setup.cfg
     # Ray Train's per-report INFO lines reach the root logger's console here;
-    # its app log file keeps them (README, "Logs").
+    # its app log file keeps them (docs/running.md#monitoring).
     quiet_console("", cfg.run.verbose)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -183,7 +183,7 @@ def train_loop(config: dict) -> None:
                 metrics.update(final_layerwise(model, graph, setup, embedding, device, rank, world,
                                                metrics["test_acc"]))
             metrics["worker_uss_mb"] = memory.max_mb(device, fresh=last)
-            if cpu_used:  # what the CPU plan gave this rank (README, "The CPU plan")
+            if cpu_used:  # what the CPU plan gave this rank (docs/cpu-plan.md#the-plan)
                 metrics.update(cpu_threads=cpu_used["torch_threads"], cpu_cores=cpu_used["cores"],
                                cpu_nice=cpu_used["nice"])
             exported.epoch(epoch, metrics)
@@ -226,7 +226,7 @@ class StepCheckpoints:
     The notice is asked for about every :data:`CHECK_S` seconds, a number of
     steps rank 0 sets at each epoch's end from its step time (the barrier is a
     round trip to Ray Train's synchronisation actor; its cost is in
-    docs/elastic.md). Without ``--checkpoint-every`` a fixed run does nothing
+    docs/elastic.md#preemption-no-step-lost-to-a-drained-node). Without ``--checkpoint-every`` a fixed run does nothing
     here.
 
     On a preemption notice rank 0 writes a checkpoint at once, and training
