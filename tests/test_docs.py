@@ -19,7 +19,7 @@ DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b|\b(?:2024|2025|2026|2027)\b|\b(?:Januar
 
 def _prose(text: str) -> str:
     """The text outside fenced code blocks, where a link is a link."""
-    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.S | re.M)
 
 
 def slug(heading: str) -> str:
@@ -91,6 +91,12 @@ def test_no_dates_outside_history(page):
     dated = [f"{page.name}:{i}: {line.strip()[:100]}" for i, line in enumerate(page.read_text().splitlines(), 1)
              if DATE.search(line)]
     assert not dated, "dated entries belong in docs/history/:\n" + "\n".join(dated)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_code_blocks_are_closed(page):
+    fences = [line for line in page.read_text().splitlines() if re.match(r"\s*```", line)]
+    assert len(fences) % 2 == 0, f"{page.name}: a code block is not closed, the text after it renders as code"
 
 
 def test_docs_hold_no_raw_json():
