@@ -119,7 +119,8 @@ class SamplerConfig(_Options):
                               "graph each relation gets that many per layer; relation=list parts after ';' give a "
                               "relation its own, e.g. '10,10;cites=5,5;rev_writes=3,3'")
     batch_size: int = option(1024, "seed nodes per mini-batch per train worker", **at_least(1))
-    actors: tuple[int, ...] = option((1, 2), "size of the sampler actor pool (a single number fixes it)",
+    actors: tuple[int, ...] = option((1, 2), "sampler actors: MAX start with the stream where the cluster has room "
+                                     "and stay to its end; the run needs room for MIN (a single number: both)",
                                      flag="--sampler-actors", metavar="MIN,MAX",
                                      check=lambda a: len(a) in (1, 2) and 1 <= a[0] <= a[-1],
                                      need="expected MIN,MAX with 1 <= MIN <= MAX, or a single number")

@@ -12,6 +12,7 @@ of the store while numpy arrays arrive as read-only views.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -100,7 +101,9 @@ class _ReadOnlyPages:
         self.__array_interface__ = {**source.__array_interface__, "data": (alias + addr - start, True)}
 
     def __del__(self):
-        if self._addr is not None:
+        # Not while the interpreter shuts down: the process's exit unmaps everything at once, and Python code run
+        # then is where Ray's SIGTERM handler, raising SystemExit, prints a traceback.
+        if self._addr is not None and not sys.is_finalizing():
             _libc().munmap(self._addr, self._size)
 
 

@@ -14,6 +14,9 @@ config, and should not pay for more than it uses (an elastic run's
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from ray.train import DataConfig
 
 
@@ -46,10 +49,24 @@ class StartedSplit(DataConfig):
             raise ValueError(f"the stream was split {len(self._splits)} ways for {world_size} workers")
         return [{"train": split} for split in self._splits]
 
-    def shutdown(self) -> None:
-        """End the stream: its coordinator, and with it the sampler actors (after an attempt, failed or not)."""
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """End the stream (after an attempt, failed or not): the sampler actors first, then their owner.
+
+        Killed first, the coordinator takes its actors down with it while
+        they still sample ahead, or are still being created: the GCS then
+        kills workers that are already exiting (its "Failed to kill actor
+        ... Socket closed" line on every driver's console), and an actor
+        may get SIGTERM inside a finalizer. So its executor releases them,
+        and the coordinator goes once they have exited.
+        """
         import ray
 
+        deadline = time.monotonic() + timeout_s
+        try:
+            ray.get(self._coordinator.shutdown_executor.remote(), timeout=timeout_s)
+            wait_until_gone(owned_by(self._coordinator), deadline)
+        except Exception:  # noqa: BLE001  (a coordinator already dead or stuck: the kill below ends it)
+            pass
         ray.kill(self._coordinator)
 
     def __deepcopy__(self, memo):  # Ray Train copies its config: the splits are handles, one set of them
@@ -151,3 +168,27 @@ class _Started:
 
     def remote(self, *args):
         return self._ref
+
+
+def owned_by(actor) -> Callable[[dict], bool]:
+    """A test on GCS actor-table entries: is the entry an actor that ``actor`` created and that dies with it?
+
+    Detached actors (Ray Data's shared trackers) outlive their creator: they are not counted.
+    """
+    from ray._private.state import state  # the GCS's own table: answers where no dashboard runs
+
+    address = state.actor_table(actor._actor_id.hex()).get("Address", {})
+    where = (address.get("IPAddress"), address.get("Port"))
+    return lambda entry: (not entry["IsDetached"]
+                          and (entry["OwnerAddress"]["IPAddress"], entry["OwnerAddress"]["Port"]) == where)
+
+
+def wait_until_gone(matches: Callable[[dict], bool], deadline: float, poll_s: float = 0.1) -> bool:
+    """Wait until no actor the GCS knows and ``matches`` accepts is still alive, pending or restarting."""
+    from ray._private.state import state
+
+    while True:
+        live = [a for a in state.actor_table(None).values() if a["State"] != "DEAD" and matches(a)]
+        if not live or time.monotonic() > deadline:
+            return not live
+        time.sleep(poll_s)

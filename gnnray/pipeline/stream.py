@@ -11,6 +11,7 @@ from that size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -50,9 +51,14 @@ def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_e
                                    backend=cfg.sampler.backend, stack=stack),
         batch_size=None,  # a whole seed block per call (see SamplerActor)
         batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(min_size=actors[0], max_size=actors[1]),
+        # The whole pool starts with the stream and keeps its actors: an actor added later takes 10-40 s to start
+        # (imports, the graph's views), and one the stream no longer needs once started is cancelled mid-creation,
+        # which Ray reports on every driver's console ("Failed to kill actor ... Socket closed").
+        compute=ray.data.ActorPoolStrategy(min_size=actors[0], max_size=actors[1], initial_size=actors[1]),
         num_cpus=cfg.sampler.cpus_per_actor,
     )
+    ds.context.autoscaling_config = dataclasses.replace(ds.context.autoscaling_config,
+                                                        actor_pool_util_downscaling_threshold=-1.0)
     # One output block per seed block, never cut by size: the split hands whole blocks to the ranks in turn,
     # which is what gives each rank its own steps in order (seeds.stream_rows).
     ds.context.target_max_block_size = None

@@ -3,6 +3,7 @@ is refused where it could not move, keeps every actor busy, and costs nothing wh
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -34,9 +35,14 @@ def _slow_workers(ray, tmp_path, max_ahead: str) -> dict:
     """Stream EPOCHS epochs to WORKERS consumers slower than the sampler; return the worst gaps seen."""
     from gnnray.pipeline.sampler import SamplerActor
 
-    log = tmp_path / f"produced-{max_ahead}"
+    log, started = tmp_path / f"produced-{max_ahead}", tmp_path / f"started-{max_ahead}"
 
     class CountingSampler(SamplerActor):  # defined here: cloudpickle ships it by value
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            with open(started, "a") as f:
+                f.write(f"{os.getpid()}\n")
+
         def __call__(self, rows):
             table = super().__call__(rows)
             with open(log, "a") as f:  # appended after sampling: what exists in the store from now on
@@ -85,7 +91,8 @@ def _slow_workers(ray, tmp_path, max_ahead: str) -> dict:
     # What the policy admits (its limit, plus the block admitted last) and the two blocks each worker's iterator
     # holds: everything sampled that the workers have not received.
     return dict(worst_rows=worst_rows, worst_bytes=worst_bytes, max_row_bytes=max_row_bytes, total=total,
-                bound=read_ahead_rows(cfg, block) + block + 2 * WORKERS * block)
+                bound=read_ahead_rows(cfg, block) + block + 2 * WORKERS * block,
+                actors_started=len(started.read_text().split()))
 
 
 # auto, and the smallest --max-ahead accepted: (3 x workers + 2 actors) x 16-row blocks / workers.
@@ -99,6 +106,9 @@ def test_sampler_stays_within_max_ahead_of_slow_workers(ray_cluster, tmp_path, m
     assert 0 < r["worst_rows"] <= r["bound"], r
     # The store: the batches ahead, plus the seed row numbers and Ray Data's small metadata objects.
     assert r["worst_bytes"] <= r["bound"] * r["max_row_bytes"] + 8 * r["total"] + 2**20, r
+    # The pool (--sampler-actors 1,2) starts whole and keeps its actors while the bound idles them: none is added
+    # later, so none is cancelled while it starts when the stream ends (Ray's "Failed to kill actor" line).
+    assert r["actors_started"] == 2, r
 
 
 def test_a_large_bound_lets_the_sampler_run_ahead(ray_cluster, tmp_path):
