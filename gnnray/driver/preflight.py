@@ -319,6 +319,8 @@ def check_storage(cfg: JobConfig) -> str:
     run_dir = storage.run_dir(given, cfg.run.name)
     try:
         storage.check_writable(run_dir)
+    except ConfigError:  # says what to do already
+        raise
     except (OSError, ValueError) as e:  # pyarrow: OSError from the store, ArrowInvalid (a ValueError) for the URI
         why = " ".join(str(e).split()) or type(e).__name__
         if not storage.is_uri(run_dir):
