@@ -60,6 +60,8 @@ def init_ray(cfg: JobConfig) -> bool:
     if not cfg.run.verbose:  # Ray's notice that a new local cluster uses its default, token authentication
         drop_records("ray._private.authentication.authentication_token_setup", "Token authentication is enabled")
     local, started = False, None
+    if ray.is_initialized() and os.environ.get("RAY_ADDRESS") == _own_address[0] and cfg.train.cpu_plan == "on":  # another run on this process's
+        register_run()  # local cluster (the Python API): registered again, under the name its processes carry
     if not ray.is_initialized():
         if _own_address[0] and os.environ.get("RAY_ADDRESS") == _own_address[0]:  # this process's last local
             del os.environ["RAY_ADDRESS"]  # cluster, shut down since
@@ -124,7 +126,7 @@ def _start_local(cfg: JobConfig, options: dict, job_env: dict):
     # Registered before the cluster starts: its workers plan for this run's share of the host's cores, and
     # runs started at the same time see each other (gnnray.cpus, "Runs sharing a host").
     if cfg.train.cpu_plan == "on":
-        cpus.register_run()  # in $GNNRAY_HOST_RUN, which the cluster's processes inherit
+        register_run()  # in $GNNRAY_HOST_RUN, which the cluster's processes inherit
     os.environ["PYTHONWARNINGS"] = _ignore_deprecation()
     port = _free_port()
     os.environ["RAY_ADDRESS"] = _own_address[0] = f"{ray.util.get_node_ip_address()}:{port}"
@@ -134,6 +136,17 @@ def _start_local(cfg: JobConfig, options: dict, job_env: dict):
         started = ray.init(address="local", num_cpus=math.ceil(need), **options)
     os.environ["RAY_ADDRESS"] = _own_address[0] = started.address_info["gcs_address"]
     return started
+
+
+def register_run() -> None:
+    """Register this run on the host (:func:`gnnray.leases.register_run`), or say why it plans alone."""
+    from gnnray import leases
+    from gnnray.driver import console
+
+    try:
+        leases.register_run()
+    except OSError as e:
+        console.say(f"warning: {e}; this run plans for the whole host, as if alone on it")
 
 
 def _ignore_deprecation() -> str:
