@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import socket
@@ -16,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from gnnray import cpus, storage
+from gnnray import cpus, stack, storage
 from gnnray.config import JobConfig
 from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
@@ -69,6 +70,7 @@ def init_ray(cfg: JobConfig) -> bool:
                        log_to_driver=True)
         # Read by OpenMP when a process loads it: set for every process of the job.
         job_env = dict(cpus.JOB_ENV) if cfg.train.cpu_plan == "on" else {}
+        job_env[stack.DRIVER_ENV] = json.dumps(expected)  # what every process of the run checks its node against
         if os.environ.get("RAY_ADDRESS"):
             started = _connect(options, job_env)
         else:
