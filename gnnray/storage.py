@@ -12,9 +12,9 @@ What differs between a file system and an object store stays in this module:
 
 - A write is seen whole or not at all, and one that fails leaves the old
   file: on a file system through a temporary name and a rename, in an object
-  store through a temporary key copied over the old object once complete
-  (the store replaces an object at once). A writer that raises deletes what
-  it wrote.
+  store through a temporary key moved over the old object once complete (the
+  store replaces an object at once; a new object appears when its upload
+  completes). A writer that raises deletes what it wrote.
 - An object store cannot append: :func:`append` rewrites the object, so it is
   for small logs only.
 - An object store has no directories: a "directory" is a key prefix.
@@ -124,16 +124,22 @@ def write(location: str, fill: Callable[[IO], object], sync: bool = True) -> int
                 os.remove(tmp)
             raise
         return size
+    import pyarrow.fs
+
     fs, path = resolve(location)
-    # An object store's streams have no abort (closing one completes its upload), so the new object is written
-    # under a temporary key and copied over the old one only when whole: the store swaps an object at once.
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # An object store's streams have no abort (closing one completes its upload), so an object that replaces
+    # another is written under a temporary key and moved over it only when whole: the store swaps an object at
+    # once. A new object is written in place: nothing is lost if it fails, and S3 copies at most 5 GiB at once
+    # (feature spills and embedding shards can be larger).
+    replaces = fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if replaces else path
     f = fs.open_output_stream(tmp)
     try:
         fill(f)
         size = f.tell()
         f.close()
-        fs.move(tmp, path)  # S3, GCS: a server-side copy, then the temporary key deleted
+        if replaces:
+            fs.move(tmp, path)  # S3, GCS: a server-side copy, then the temporary key deleted
     except BaseException:
         try:
             if not f.closed:

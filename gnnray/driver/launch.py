@@ -126,7 +126,7 @@ def _start_local(cfg: JobConfig, options: dict, job_env: dict):
     # the host claim theirs too. On a small machine they then share cores rather than wait forever.
     need = cfg.train.workers_max * cfg.train.cpus_per_worker + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1
     # Registered before the cluster starts: its workers plan for this run's share of the host's cores, and
-    # runs started at the same time see each other (gnnray.cpus, "Runs sharing a host").
+    # runs started at the same time see each other (gnnray.leases).
     if cfg.train.cpu_plan == "on":
         register_run()  # in $GNNRAY_HOST_RUN, which the cluster's processes inherit
     os.environ["PYTHONWARNINGS"] = _ignore_deprecation()
