@@ -81,10 +81,16 @@ def test_a_node_that_cannot_answer_is_named(ray_cluster, cluster):
 
 def test_a_node_whose_probe_fails_there_is_named_with_its_error(ray_cluster, cluster, tmp_path):
     """A node where gnnray cannot be imported: the check's own failure is what the driver says, not a silence."""
-    broken = tmp_path / "gnnray"
-    broken.mkdir()
-    (broken / "__init__.py").write_text("raise ImportError('gnnray is broken on this node')\n")
-    with _simulated_nodes(cluster, 1, {"PYTHONPATH": str(tmp_path)}) as [node]:
+    # Ray puts the driver's sys.path first on its workers', so the node's import of gnnray is refused where
+    # every import is looked up, before any path: a finder of the node's sitecustomize.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Broken:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'gnnray':\n"
+        "            raise ImportError('gnnray is broken on this node')\n"
+        "sys.meta_path.insert(0, Broken())\n")
+    with _simulated_nodes(cluster, 1, other_versions(tmp_path, {})) as [node]:
         with pytest.raises(ClusterError) as err:
             preflight.check_versions(preflight.nodes(), stack.versions())
     message = str(err.value)
@@ -94,10 +100,19 @@ def test_a_node_whose_probe_fails_there_is_named_with_its_error(ray_cluster, clu
 
 def test_a_node_with_other_gnnray_sources_is_named(ray_cluster, cluster, tmp_path):
     """The same gnnray version number, one module changed: the node runs other code, and is refused."""
-    shutil.copytree(REPO / "gnnray", tmp_path / "gnnray", ignore=shutil.ignore_patterns("__pycache__"))
-    with open(tmp_path / "gnnray" / "errors.py", "a") as f:
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "gnnray", copy / "gnnray", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "gnnray" / "errors.py", "a") as f:
         f.write("# changed on this node\n")
-    with _simulated_nodes(cluster, 1, {"PYTHONPATH": str(tmp_path)}) as [node]:
+    # The node's gnnray is the copy, whatever Ray puts first on its workers' sys.path.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "from importlib.machinery import PathFinder\n"
+        "class Copy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        return PathFinder.find_spec(name, [{str(copy)!r}]) if name == 'gnnray' else None\n"
+        "sys.meta_path.insert(0, Copy())\n")
+    with _simulated_nodes(cluster, 1, other_versions(tmp_path, {})) as [node]:
         with pytest.raises(ClusterError) as err:
             preflight.check_versions(preflight.nodes(), stack.versions())
     assert (f"node {node.node_ip_address} ({node.node_id[:8]}) has gnnray src-" in str(err.value)
