@@ -41,33 +41,21 @@ the same for every process of the container and none of them can widen it,
 so the plan reads the set from there and falls back to the process's mask
 only where no cpuset file can be read.
 
-Runs sharing a host (:func:`host_share`, :func:`lease_cores`). Each local
-run starts its own Ray cluster, and every cluster's plan would see the whole
-host: two runs would pin their first workers to the same cores, with threads
-for every core each. So local runs register on the host (:func:`register_run`:
-a file under :func:`lease_dir` that the driver holds locked), and a worker
-plans for its run's share of the node's cores, one part per run registered
-and alive. A worker pins only cores it holds a lease on (a lock on one file
-per CPU id); a core leased by another process (a run that planned alone before
-this one registered) is skipped for a free one, and with too few free cores
-the worker is not pinned: it cannot tell that those cores are its own. Both
-are ``flock`` locks, which the kernel drops when their process ends, however
-it ends: a crashed run leaves no stale claim behind.
+Runs sharing a host: a worker plans for its run's share of the node's cores and pins only cores it
+holds a lease on (:mod:`gnnray.leases`).
 
 docs/performance.md#where-the-figures-come-from has each part measured on and off.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import itertools
 import math
 import os
-import tempfile
-import time
 from dataclasses import dataclass
 from typing import Optional
+
+from gnnray.leases import host_share, lease_cores
 
 # Environment of every process of the job (train workers, sampler actors, Ray Data's and Ray Train's actors).
 JOB_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -75,9 +63,6 @@ SAMPLER_NICE = 4  # added to Ray's nice 15: below the train workers, above nothi
 _MIN_CPU_TRAINER_THREADS = 2  # a CPU train worker keeps at least this many cores before samplers get their own
 _GPU_TRAINER_THREADS = 2  # the step runs on the device; the host needs the loop and the prefetch thread
 CGROUP_ROOT = "/sys/fs/cgroup"  # where cgroup v2, or v1's controllers (cpu/, cpuset/), are mounted
-LEASE_DIR_ENV = "GNNRAY_CPU_DIR"  # where runs register and cores are leased (default: lease_dir())
-RUN_ENV = "GNNRAY_HOST_RUN"  # the local run a process belongs to (set by register_run, inherited by its cluster)
-LEASE_WAIT_S = 2.0  # a core held by a process still exiting (an earlier attempt's worker) is waited for this long
 
 
 @dataclass(frozen=True)
@@ -312,139 +297,3 @@ def readback() -> dict:
 def samplers_per_node(actors_max: int, nodes: int) -> int:
     """Sampler actors to expect on a node: the whole pool on one node, an even share on more."""
     return max(1, math.ceil(actors_max / max(1, nodes)))
-
-
-# Runs sharing a host (module docstring). The open files hold the locks: closing one releases its lock.
-_registered: list = []  # [name, fd] of this process's registration as a local run
-_leased: list = []  # (cpu id, fd) of the cores this process holds
-
-
-def lease_dir() -> str:
-    """Where local runs register and cores are leased: ``$GNNRAY_CPU_DIR``, or ``gnnray-cpus`` in the temp dir."""
-    return os.environ.get(LEASE_DIR_ENV) or os.path.join(tempfile.gettempdir(), "gnnray-cpus")
-
-
-def _open_lock(name: str) -> int:
-    """A file of :func:`lease_dir` opened for locking (made if missing, writable by every user of the host)."""
-    directory = lease_dir()
-    if not os.path.isdir(directory):
-        os.makedirs(directory, exist_ok=True)
-        with contextlib.suppress(OSError):  # shared by every user's runs, as /tmp is
-            os.chmod(directory, 0o1777)
-    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT, 0o666)
-    with contextlib.suppress(OSError):  # fails on another user's file: theirs to set
-        os.fchmod(fd, 0o666)
-    return fd
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
-def register_run() -> Optional[str]:
-    """Register this process as a local run on the host until it exits; its name, also in ``$GNNRAY_HOST_RUN``
-    for the processes of its cluster (``None`` if the lease directory cannot be used: the run then plans alone).
-    Called by the driver before its local cluster starts."""
-    if not _registered:
-        name = f"run-{time.time_ns()}-{os.getpid()}"
-        try:  # locked before it gets its name: runs_on_host would take an unlocked run file for an ended run's
-            fd = _open_lock("new-" + name)
-            _try_lock(fd)
-            os.rename(os.path.join(lease_dir(), "new-" + name), os.path.join(lease_dir(), name))
-        except OSError:
-            return None
-        _registered[:] = [name, fd]
-    os.environ[RUN_ENV] = _registered[0]
-    return _registered[0]
-
-
-def runs_on_host() -> list:
-    """Names of the local runs registered and alive on this host, oldest first; the files of ended runs
-    (their lock free) are removed."""
-    try:
-        names = sorted(n for n in os.listdir(lease_dir()) if n.startswith("run-"))
-    except OSError:
-        return []
-    alive = []
-    for name in names:
-        try:
-            fd = os.open(os.path.join(lease_dir(), name), os.O_RDWR)
-        except OSError:
-            continue  # removed meanwhile, or not ours to open: ended or unknowable
-        try:
-            if _try_lock(fd):  # nobody holds it: that run has ended
-                os.unlink(os.path.join(lease_dir(), name))
-            else:
-                alive.append(name)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return sorted(alive, key=lambda n: int(n.split("-")[1]))
-
-
-def host_share(node: NodeCpus, run: Optional[str] = None) -> NodeCpus:
-    """This run's part of ``node`` when several local runs share the host: its ids cut into one contiguous
-    part per run (oldest run first), the quota divided alike. ``run`` defaults to ``$GNNRAY_HOST_RUN``; a
-    process of no registered run (a cluster joined by address) counts as one more run."""
-    run = os.environ.get(RUN_ENV) if run is None else run
-    runs = runs_on_host()
-    if run not in runs:
-        runs.append(run)
-    n = min(len(runs), len(node.ids))
-    if n <= 1:
-        return node
-    i = min(runs.index(run), n - 1)
-    ids = node.ids[i * len(node.ids) // n:(i + 1) * len(node.ids) // n]
-    return NodeCpus(ids, node.quota / n if node.quota else 0.0, len(runs))
-
-
-def lease_cores(cores: tuple, ids: tuple, wait_s: float = LEASE_WAIT_S) -> Optional[tuple]:
-    """Lease ``cores`` for this process (until it exits or leases again): those cores if free (waiting up to
-    ``wait_s`` for them), else as many others of ``ids`` that are free; ``None`` if fewer are free, or the lease
-    files cannot be used (then nothing is pinned)."""
-    _release([fd for _, fd in _leased])  # a second plan in this process replaces the first
-    _leased.clear()
-    deadline = time.monotonic() + wait_s
-    try:
-        held = _lock_first(cores, len(cores))
-        while len(held) < len(cores) and time.monotonic() < deadline:
-            _release([fd for _, fd in held])
-            time.sleep(0.1)
-            held = _lock_first(cores, len(cores))
-        if len(held) < len(cores):
-            _release([fd for _, fd in held])
-            held = _lock_first(ids, len(cores))
-    except OSError:
-        return None
-    if len(held) < len(cores):
-        _release([fd for _, fd in held])
-        return None
-    _leased.extend(held)
-    return tuple(cpu for cpu, _ in held)
-
-
-def _lock_first(ids: tuple, count: int) -> list:
-    """``(cpu, fd)`` of the first ``count`` of ``ids`` whose lease this process could take."""
-    held: list = []
-    try:
-        for cpu in ids:
-            if len(held) == count:
-                break
-            fd = _open_lock(f"cpu-{cpu}")
-            if _try_lock(fd):
-                held.append((cpu, fd))
-            else:
-                os.close(fd)
-    except OSError:
-        _release([fd for _, fd in held])
-        raise
-    return held
-
-
-def _release(fds: list) -> None:
-    list(map(os.close, fds))

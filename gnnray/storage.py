@@ -10,10 +10,11 @@ pyarrow's clients look for them: the environment (``AWS_ACCESS_KEY_ID``, ...,
 
 What differs between a file system and an object store stays in this module:
 
-- A write is seen whole or not at all: on a file system through a temporary
-  name and a rename, in an object store by the store itself (an object
-  appears when its upload completes). A writer that raises deletes what it
-  wrote.
+- A write is seen whole or not at all, and one that fails leaves the old
+  file: on a file system through a temporary name and a rename, in an object
+  store through a temporary key moved over the old object once complete (the
+  store replaces an object at once; a new object appears when its upload
+  completes). A writer that raises deletes what it wrote.
 - An object store cannot append: :func:`append` rewrites the object, so it is
   for small logs only.
 - An object store has no directories: a "directory" is a key prefix.
@@ -26,10 +27,17 @@ import io
 import os
 import posixpath
 import tempfile
+import uuid
 from typing import IO, Callable, Optional
 from urllib.parse import urlsplit
 
 import numpy as np
+
+from gnnray.errors import ConfigError
+
+# The oldest pyarrow whose S3FileSystem takes the options below (allow_delayed_open came in 21); pyproject.toml's
+# bound (tests/test_storage.py keeps the two equal).
+PYARROW_S3 = 21
 
 
 def is_uri(location: str) -> bool:
@@ -68,10 +76,14 @@ def parent(location: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _filesystem(root: str):
     # One filesystem per bucket (and query) and process: without a region pyarrow asks S3 for the bucket's.
+    import pyarrow
     import pyarrow.fs
 
     fs, base = pyarrow.fs.FileSystem.from_uri(root)
     if isinstance(fs, pyarrow.fs.S3FileSystem):
+        if int(pyarrow.__version__.split(".")[0]) < PYARROW_S3:
+            raise ConfigError(f"{root}: object storage needs pyarrow >= {PYARROW_S3}, and this node has "
+                              f"{pyarrow.__version__}: pip install 'pyarrow>={PYARROW_S3}' (pip install -e . does)")
         # Background writes keep every part in flight in memory: on a store slower than the writer, much of the
         # file (writing a 370 MiB shard to moto's server: +164 MiB of peak memory, +28 MiB without them,
         # bench/storage.py). A delayed open makes a small file one request instead of a multipart upload's three.
@@ -112,20 +124,30 @@ def write(location: str, fill: Callable[[IO], object], sync: bool = True) -> int
                 os.remove(tmp)
             raise
         return size
+    import pyarrow.fs
+
     fs, path = resolve(location)
-    f = fs.open_output_stream(path)
+    # An object store's streams have no abort (closing one completes its upload), so an object that replaces
+    # another is written under a temporary key and moved over it only when whole: the store swaps an object at
+    # once. A new object is written in place: nothing is lost if it fails, and S3 copies at most 5 GiB at once
+    # (feature spills and embedding shards can be larger).
+    replaces = fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if replaces else path
+    f = fs.open_output_stream(tmp)
     try:
         fill(f)
         size = f.tell()
+        f.close()
+        if replaces:
+            fs.move(tmp, path)  # S3, GCS: a server-side copy, then the temporary key deleted
     except BaseException:
-        # pyarrow's streams have no abort: closing completes the upload, so what was written is deleted.
         try:
-            f.close()
-            fs.delete_file(path)
+            if not f.closed:
+                f.close()
+            fs.delete_file(tmp)
         except OSError:  # the store failed too: the writer's error says more
             pass
         raise
-    f.close()
     return size
 
 

@@ -18,7 +18,7 @@ from shared_runs import script_run  # noqa: F401  (a session fixture: one script
 
 os.environ.setdefault("DGLBACKEND", "pytorch")  # read by DGL where the dgl extra is installed
 os.environ.setdefault("OUTDATED_IGNORE", "1")  # ogb's dependency asks PyPI for updates (no internet here)
-# The session's runs register and lease cores among themselves (gnnray.cpus, "Runs sharing a host"): the tests
+# The session's runs register and lease cores among themselves (gnnray.leases): the tests
 # that check which cores a worker pins must not depend on what other sessions on the host hold meanwhile.
 os.environ.setdefault("GNNRAY_CPU_DIR", tempfile.mkdtemp(prefix="gnnray-cpus-"))
 

@@ -1,13 +1,10 @@
 """The CPU plan: its rule on nodes of any size, containers' cpusets and quotas (faked cgroup files, and real
-cgroups made for the test where the machine allows), runs sharing a host (their shares and core leases, a
-crashed holder's released), and each process reading back what the plan says it uses."""
+cgroups made for the test where the machine allows), and each process reading back what the plan says it uses
+(runs sharing a host: tests/test_leases.py)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -16,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gnnray import cpus
-from gnnray.cpus import (JOB_ENV, SAMPLER_NICE, CpuPlan, CpuPolicy, NodeCpus, host_share, lease_cores, node_cores,
-                         node_cpus, runs_on_host, samplers_per_node)
+from gnnray import leases
+from gnnray.cpus import JOB_ENV, SAMPLER_NICE, CpuPlan, CpuPolicy, NodeCpus, node_cores, node_cpus, samplers_per_node
 
 
 def _whole(cores: int) -> NodeCpus:
@@ -116,84 +112,6 @@ def test_without_cgroup_files_the_process_mask_counts(tmp_path, monkeypatch):
     assert node_cpus(root, proc).ids == (8, 9, 10, 11)
 
 
-@pytest.fixture
-def lease_dir(tmp_path, monkeypatch) -> Path:
-    """A private directory for run registrations and core leases."""
-    monkeypatch.setenv(cpus.LEASE_DIR_ENV, str(tmp_path / "leases"))
-    return tmp_path / "leases"
-
-
-def _held(path: Path) -> int:
-    """An fd holding ``path``'s lock, as another process's registration or lease would (flock locks belong to
-    an open file, so this one conflicts with the module's own opens)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
-def test_runs_sharing_a_host_plan_for_their_own_part(lease_dir):
-    """Two live runs split the node's ids (oldest first) and its quota; an ended run's file is removed and not
-    counted; a process of no registered run counts as one more."""
-    older, newer, ended = "run-100-1", "run-200-2", "run-150-3"
-    fds = [_held(lease_dir / older), _held(lease_dir / newer)]
-    (lease_dir / ended).touch()  # its driver is gone: nobody holds the lock
-    try:
-        assert runs_on_host() == [older, newer] and not (lease_dir / ended).exists()
-        node = NodeCpus(tuple(range(8)))
-        assert host_share(node, older) == NodeCpus((0, 1, 2, 3), 0.0, 2)
-        assert host_share(node, newer) == NodeCpus((4, 5, 6, 7), 0.0, 2)
-        assert host_share(node, "joined-by-address").ids == (5, 6, 7)  # the third of three
-        quota = host_share(NodeCpus(tuple(range(64)), 4.0), newer)
-        assert quota.quota == 2.0 and quota.cores == 2 and not quota.pinnable
-        # Each run's plan: its first worker on its own cores, threads for its share only.
-        a, b = (CpuPlan(host_share(node, r), 1, 1) for r in (older, newer))
-        assert a.trainer_cores(0) == (0, 1, 2) and b.trainer_cores(0) == (4, 5, 6)
-        assert "shared by 2 runs" in a.line() and a.trainer_threads() + b.trainer_threads() <= 8
-    finally:
-        for fd in fds:
-            os.close(fd)
-    assert runs_on_host() == [] and host_share(NodeCpus(tuple(range(8))), older) == NodeCpus(tuple(range(8)))
-
-
-def test_a_worker_pins_only_cores_no_other_process_holds(lease_dir):
-    other = _held(lease_dir / "cpu-1")  # another run's worker pinned to core 1
-    try:
-        assert lease_cores((0, 1), (0, 1, 2, 3), wait_s=0) == (0, 2)  # core 1 skipped for a free one
-        assert lease_cores((2, 3), (0, 1, 2, 3), wait_s=0) == (2, 3)  # a new lease replaces this process's last
-        assert lease_cores((0, 1, 2, 3), (0, 1, 2, 3), wait_s=0) is None  # three free of four: not pinned
-    finally:
-        os.close(other)
-    assert lease_cores((0, 1, 2, 3), (0, 1, 2, 3), wait_s=0) == (0, 1, 2, 3)
-    lease_cores((), (), wait_s=0)
-
-
-def test_an_unusable_lease_directory_leaves_the_run_unregistered_and_unpinned(tmp_path, monkeypatch):
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv(cpus.LEASE_DIR_ENV, str(tmp_path / "file" / "leases"))  # under a file: cannot be made
-    assert cpus.register_run() is None and cpus.RUN_ENV not in os.environ
-    assert lease_cores((0,), (0, 1), wait_s=0) is None and runs_on_host() == []
-
-
-def test_a_crashed_runs_registration_and_leases_are_released(lease_dir):
-    """A driver and a worker killed with SIGKILL (no clean-up runs) leave nothing held: the kernel drops their
-    locks, so the next run plans for the whole host and pins the cores they had."""
-    code = ("from gnnray import cpus; print(cpus.register_run(), cpus.lease_cores((0, 1), (0, 1), 0), flush=True); "
-            "import time; time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    try:
-        name, leased = proc.stdout.readline().split(" ", 1)
-        assert leased.strip() == "(0, 1)" and runs_on_host() == [name]
-        assert lease_cores((0, 1), (0, 1), wait_s=0) is None  # held by the live process
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert runs_on_host() == [] and host_share(NodeCpus((0, 1)), None) == NodeCpus((0, 1))
-    assert lease_cores((0, 1), (0, 1), wait_s=0) == (0, 1)
-    lease_cores((), (), wait_s=0)
-
-
 CPUSET_FILES = [Path("/sys/fs/cgroup/cpuset/cpuset.effective_cpus"), Path("/sys/fs/cgroup/cpuset.cpus.effective")]
 
 
@@ -234,7 +152,7 @@ def _probe(ray, env: dict):
             return used
 
     # Its own lease directory: a probe of an earlier test may still hold its cores while it exits.
-    env = dict(env, **{cpus.LEASE_DIR_ENV: tempfile.mkdtemp(prefix="gnnray-probe-")})
+    env = dict(env, **{leases.LEASE_DIR_ENV: tempfile.mkdtemp(prefix="gnnray-probe-")})
     return ray.remote(num_cpus=0, runtime_env={"env_vars": env})(Probe).remote()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import numpy as np
+import pyarrow.fs
 import pytest
 
 from gnnray import storage
@@ -41,9 +42,13 @@ def test_a_writer_that_fails_leaves_nothing(storage_path):
     with pytest.raises(RuntimeError):
         storage.write(target, fail)
     assert storage.size(storage.join(storage_path, "new.pt")) is None
-    # A file keeps its old content; an object that was being replaced is gone (its store has no abort): either
-    # way no reader sees half of the new one.
-    assert storage.size(target) in (None, 3)
+    # The old file or object is kept whole, and nothing the failed writes began is left beside it.
+    assert storage.read_bytes(target) == b"old"
+    fs, base = storage.resolve(storage_path)
+    left = fs.get_file_info(pyarrow.fs.FileSelector(base, recursive=True))
+    assert [i.base_name for i in left] == ["state.pt"]
+    storage.write_bytes(target, b"new!")
+    assert storage.read_bytes(target) == b"new!" and len(fs.get_file_info(pyarrow.fs.FileSelector(base))) == 1
 
 
 @STORAGE_KINDS
@@ -92,3 +97,34 @@ def test_check_writable_names_what_refused(s3_server, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(OSError):
         storage.check_writable(str(tmp_path / "file" / "run"))
+
+
+def test_an_old_pyarrow_is_one_line_naming_the_version(s3_server, monkeypatch):
+    """pyarrow < 21 has no allow_delayed_open: the storage check says so rather than raise a TypeError."""
+    import pyarrow
+
+    from gnnray.config import parse_args
+    from gnnray.driver.preflight import check_storage
+    from gnnray.errors import ConfigError
+
+    monkeypatch.setattr(pyarrow, "__version__", "18.1.0")
+    storage._filesystem.cache_clear()
+    cfg = parse_args(["--storage-path", s3_server.fresh_prefix(), "--name", "old-arrow"])
+    try:
+        with pytest.raises(ConfigError, match=r"needs pyarrow >= 21, and this node has 18\.1\.0") as e:
+            check_storage(cfg)
+    finally:
+        storage._filesystem.cache_clear()
+    assert "\n" not in str(e.value)
+
+
+def test_pyarrow_bound_in_pyproject_is_the_one_the_code_needs():
+    """Both environments' pyarrow ranges start where S3's options exist (and the dgl extra's range is not empty)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    bounds = [r for r in project["dependencies"] + project["optional-dependencies"]["dgl"] if r.startswith("pyarrow")]
+    assert bounds == [f"pyarrow>={storage.PYARROW_S3}", f"pyarrow>={storage.PYARROW_S3},<22"]
+    assert storage.PYARROW_S3 < int(re.search(r"<(\d+)", bounds[1]).group(1))

@@ -34,6 +34,7 @@ import numpy as np
 from gnnray.data.features import FeatureSource, check_finite
 from gnnray.data.hidden_rows import HiddenRowsHeld
 from gnnray.errors import ClusterError, FeatureShardError, GnnrayError, last_line, size_text
+from gnnray.stack import check_node
 
 # Share of a node's object store the graph may take (as preflight.GRAPH_STORE_FRACTION): the rest holds
 # mini-batches in flight and the rows being fetched.
@@ -101,6 +102,7 @@ class ShardServer(HiddenRowsHeld):
     def __init__(self, ref: list):
         import ray
 
+        check_node("a shard server")
         super().__init__()
         self._rows = ray.get(ref[0])  # local: a zero-copy view on this node's store
 

@@ -67,6 +67,15 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
         GnnrayError: Bad options, data or cluster; raised before training starts.
         ray.train.TrainingFailedError: Training failed more than ``max_failures`` times.
     """
+    from gnnray import leases
+
+    try:
+        return _run(cfg, model_factory)
+    finally:  # however it ends: later runs on the host stop leaving it a share (a notebook runs many)
+        leases.release_run()
+
+
+def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
     if cfg.train.elastic and cfg.data.feature_shards > 1:
         raise ConfigError(f"--num-workers {cfg.train.workers_min},{cfg.train.workers_max} with --feature-shards "
                           f"{cfg.data.feature_shards}: an elastic run cannot rebuild a feature shard lost with its "

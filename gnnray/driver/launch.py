@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import socket
@@ -16,7 +17,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from gnnray import cpus, storage
+from gnnray import cpus, stack, storage
 from gnnray.config import JobConfig
 from gnnray.data.features import FeatureSource
 from gnnray.data.graph import Graph
@@ -60,6 +61,8 @@ def init_ray(cfg: JobConfig) -> bool:
     if not cfg.run.verbose:  # Ray's notice that a new local cluster uses its default, token authentication
         drop_records("ray._private.authentication.authentication_token_setup", "Token authentication is enabled")
     local, started = False, None
+    if ray.is_initialized() and os.environ.get("RAY_ADDRESS") == _own_address[0] and cfg.train.cpu_plan == "on":  # another run on this process's
+        register_run()  # local cluster (the Python API): registered again, under the name its processes carry
     if not ray.is_initialized():
         if _own_address[0] and os.environ.get("RAY_ADDRESS") == _own_address[0]:  # this process's last local
             del os.environ["RAY_ADDRESS"]  # cluster, shut down since
@@ -67,6 +70,7 @@ def init_ray(cfg: JobConfig) -> bool:
                        log_to_driver=True)
         # Read by OpenMP when a process loads it: set for every process of the job.
         job_env = dict(cpus.JOB_ENV) if cfg.train.cpu_plan == "on" else {}
+        job_env[stack.DRIVER_ENV] = json.dumps(expected)  # what every process of the run checks its node against
         if os.environ.get("RAY_ADDRESS"):
             started = _connect(options, job_env)
         else:
@@ -122,9 +126,9 @@ def _start_local(cfg: JobConfig, options: dict, job_env: dict):
     # the host claim theirs too. On a small machine they then share cores rather than wait forever.
     need = cfg.train.workers_max * cfg.train.cpus_per_worker + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1
     # Registered before the cluster starts: its workers plan for this run's share of the host's cores, and
-    # runs started at the same time see each other (gnnray.cpus, "Runs sharing a host").
+    # runs started at the same time see each other (gnnray.leases).
     if cfg.train.cpu_plan == "on":
-        cpus.register_run()  # in $GNNRAY_HOST_RUN, which the cluster's processes inherit
+        register_run()  # in $GNNRAY_HOST_RUN, which the cluster's processes inherit
     os.environ["PYTHONWARNINGS"] = _ignore_deprecation()
     port = _free_port()
     os.environ["RAY_ADDRESS"] = _own_address[0] = f"{ray.util.get_node_ip_address()}:{port}"
@@ -134,6 +138,17 @@ def _start_local(cfg: JobConfig, options: dict, job_env: dict):
         started = ray.init(address="local", num_cpus=math.ceil(need), **options)
     os.environ["RAY_ADDRESS"] = _own_address[0] = started.address_info["gcs_address"]
     return started
+
+
+def register_run() -> None:
+    """Register this run on the host (:func:`gnnray.leases.register_run`), or say why it plans alone."""
+    from gnnray import leases
+    from gnnray.driver import console
+
+    try:
+        leases.register_run()
+    except OSError as e:
+        console.say(f"warning: {e}; this run plans for the whole host, as if alone on it")
 
 
 def _ignore_deprecation() -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gnnray.config import JobConfig
-from gnnray.errors import ClusterError, ConfigError, size_text
+from gnnray.errors import ClusterError, ConfigError, last_line, size_text
 
 # Share of a node's object store the graph may take: the rest holds the
 # mini-batches in flight and Ray's own objects.
@@ -83,9 +83,10 @@ def check_versions(cluster: list[Node], expected: dict, timeout_s: float = VERSI
     driver's, :func:`gnnray.stack.versions`) or that did not answer; return how many nodes answered.
 
     A task without CPUs on each node reads the installed packages' metadata
-    (nothing is imported). A node that cannot start that task within
-    ``timeout_s`` is named, not passed; one that died meanwhile is gone from
-    the cluster and left out.
+    (nothing is imported) and digests gnnray's sources. A node where that task
+    fails (gnnray not importable there) is named with its error; one that
+    cannot start it within ``timeout_s`` is named, not passed; one that died
+    meanwhile is gone from the cluster and left out.
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -97,18 +98,19 @@ def check_versions(cluster: list[Node], expected: dict, timeout_s: float = VERSI
     refs = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
             .remote(backend): n for n in cluster}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    wrong, silent = [], [refs[r] for r in pending]
+    wrong, failed = [], {}
     for ref in ready:
         try:
             diff = stack.differences(ray.get(ref), expected)
-        except ray.exceptions.RayError:
-            silent.append(refs[ref])
+        except ray.exceptions.RayError as e:  # the probe ran and failed there (gnnray not importable, ...)
+            failed[refs[ref].node_id] = f": the version check failed there ({last_line(e)})"
             continue
         if diff:
             wrong.append(f"node {refs[ref].address} ({refs[ref].node_id[:8]}) has {', '.join(diff)}")
+    failed.update((refs[r].node_id, f" did not answer the version check within {timeout_s:g} s") for r in pending)
     alive = {n.node_id for n in nodes()}
-    wrong += [f"node {n.address} ({n.node_id[:8]}) did not answer the version check within {timeout_s:g} s"
-              for n in silent if n.node_id in alive]
+    wrong += [f"node {n.address} ({n.node_id[:8]}){failed[n.node_id]}" for n in cluster
+              if n.node_id in failed and n.node_id in alive]
     if wrong:
         names = ", ".join(expected)
         raise ClusterError(f"every node needs the driver's {names}, and {'; '.join(sorted(wrong))}: install the "
@@ -319,6 +321,8 @@ def check_storage(cfg: JobConfig) -> str:
     run_dir = storage.run_dir(given, cfg.run.name)
     try:
         storage.check_writable(run_dir)
+    except ConfigError:  # says what to do already
+        raise
     except (OSError, ValueError) as e:  # pyarrow: OSError from the store, ArrowInvalid (a ValueError) for the URI
         why = " ".join(str(e).split()) or type(e).__name__
         if not storage.is_uri(run_dir):

@@ -30,6 +30,7 @@ from gnnray import storage
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.errors import ConfigError
+from gnnray.stack import check_node
 from gnnray.train.layerwise import SliceRows, supports_layerwise
 
 __all__ = ["InferenceResult", "CheckpointRows", "load_model", "run", "supports_layerwise"]
@@ -160,6 +161,8 @@ def run(graph: Graph, handle: GraphHandle, model: torch.nn.Module, *, embedding=
 def _predict(handle: GraphHandle, model: torch.nn.Module, embedding: list, batch_size: int, keep_input: bool):
     """The task: :func:`~gnnray.train.layerwise.infer` with world size 1; accuracies, predictions, final inputs."""
     import ray
+
+    check_node("the inference task")
 
     from gnnray.pipeline.features import LocalRows, reader_for
     from gnnray.train.layerwise import infer

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from gnnray import storage
+from gnnray.errors import CheckpointError
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -156,11 +158,21 @@ def load_state(directory: str, mmap: bool = False) -> dict:
 
     ``mmap``: a file's tensors are memory-mapped, read when used (an older
     checkpoint's ``state.pt`` holds the embedding table); an object is read whole.
+    Only tensors, containers and numbers are unpickled (``weights_only``): a
+    checkpoint can come from a bucket others write to, and on torch < 2.6
+    ``torch.load`` would otherwise run whatever code a pickle names.
     """
     location = storage.join(directory, STATE_FILE)
-    if storage.is_uri(location):
-        return torch.load(io.BytesIO(storage.read_bytes(location)), map_location="cpu")
-    return torch.load(storage.normalize(location), map_location="cpu", mmap=mmap)
+    try:
+        if storage.is_uri(location):
+            return torch.load(io.BytesIO(storage.read_bytes(location)), map_location="cpu", weights_only=True)
+        return torch.load(storage.normalize(location), map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise
+        raise CheckpointError(f"{location} holds objects other than tensors, dicts and numbers, so it was not "
+                              f"written by gnnray and is not loaded (loading it could run code): resume from "
+                              f"another checkpoint or delete this one") from None
 
 
 def read_info(directory: str) -> Optional[CheckpointInfo]:
@@ -266,8 +278,6 @@ def read_rows(directory: str, lo: int, hi: int, names: Sequence[str] = EMBEDDING
 def _legacy_rows(directory: str, lo: int, hi: int, names: Sequence[str]) -> dict[str, np.ndarray]:
     state = load_state(directory, mmap=True)
     if "embedding" not in state:
-        from gnnray.errors import CheckpointError
-
         raise CheckpointError(f"checkpoint {directory} holds no node embeddings (neither embedding shards in "
                               f"{META_FILE} nor a table in {STATE_FILE}); was it written without --embedding-dim?")
     weight = state["embedding"]["weight"]

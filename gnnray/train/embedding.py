@@ -51,6 +51,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from gnnray.stack import check_node
 from gnnray.train import checkpoint
 
 
@@ -129,6 +130,10 @@ class RowStore:
 
 class EmbeddingOwner(RowStore):
     """A :class:`RowStore` as a Ray actor on a shard's node (``--feature-shards K`` with ``--embedding-dim``)."""
+
+    def __init__(self, *args, **kwargs):
+        check_node("an embedding owner")
+        super().__init__(*args, **kwargs)
 
     def ping(self) -> bool:
         return True

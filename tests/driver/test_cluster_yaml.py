@@ -12,6 +12,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from gnnray import stack
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -83,18 +85,26 @@ def test_validation_is_real(config):
 
 
 def test_setup_commands_install_the_pinned_stack(config):
-    """Every node, GPU nodes included, installs pyproject's pins from PyPI: the train workers need torch only
-    (its PyPI wheel brings CUDA), so no node type swaps in DGL's CUDA build or another package index."""
+    """Every node, GPU nodes included, installs from PyPI the exact stack the driver's check demands (gnnray/stack.py's
+    CLUSTER, within pyproject's ranges) and pyproject's other dependencies: the train workers need torch only (its
+    PyPI wheel brings CUDA), so no node type swaps in DGL's CUDA build or another package index."""
     prepared = _prepared(config)
     pinned = _pinned()
     for name, node_type in prepared["available_node_types"].items():
         # A node type's own worker_setup_commands would replace the common ones on its nodes.
         assert "worker_setup_commands" not in node_type, name
+    assert config["setup_commands"] == [stack.setup_command()]  # written from the one place
+    exact = {name: version for name, version in stack.CLUSTER.items() if name != "python"}
+    assert set(exact) == set(stack.versions()) - {"python", "gnnray"}  # what the check compares, Python aside
     for commands in (prepared["head_setup_commands"], prepared["worker_setup_commands"]):
         installed = _installed(commands)
         assert set(pinned) <= set(installed) <= set(pinned) | {"boto3"}, commands  # Ray's default: boto3 on the head
         for name, req in pinned.items():
-            assert installed[name].specifier == req.specifier and installed[name].extras == req.extras, name
+            assert installed[name].extras == req.extras, name
+            if name in exact:
+                assert str(installed[name].specifier) == f"=={exact[name]}" and exact[name] in req.specifier, name
+            else:
+                assert installed[name].specifier == req.specifier, name
             assert all(not Version(s.version).local for s in installed[name].specifier), name  # no +cuXXX build
         words = [w for c in commands for w in shlex.split(c)]
         assert not {"-f", "--find-links", "-i", "--index-url", "--extra-index-url"} & set(words), commands
@@ -134,3 +144,20 @@ def test_nodes_keep_runs_in_s3_with_the_roles_cluster_iam_makes(config):
 
     text = (REPO / "cluster.yaml").read_text()
     assert "--storage-path s3://$BUCKET/runs" in text and "EFS" not in text and "nfs" not in text
+
+
+def test_every_image_runs_the_pinned_python_and_ray(config):
+    """Python is the one part of the stack the images bring: their tag names CLUSTER's Python and the pinned Ray."""
+    images = [config["docker"]["image"]] + [t["docker"]["worker_image"] for t in config["available_node_types"].values()
+                                            if "worker_image" in t.get("docker", {})]
+    tag = f"{stack.RAY}-py{stack.CLUSTER['python'].replace('.', '')}-"
+    assert len(images) >= 2 and all(image.split(":")[1].startswith(tag) for image in images), images
+
+
+def test_the_stack_module_writes_cluster_yamls_setup(tmp_path):
+    """`python -m gnnray.stack FILE` replaces only the setup_commands, so updating the pins is one command."""
+    copy_ = tmp_path / "cluster.yaml"
+    text = (REPO / "cluster.yaml").read_text()
+    copy_.write_text(text.replace(stack.CLUSTER["torch"], "1.0.0"))
+    stack._write_setup(str(copy_))
+    assert copy_.read_text() == text

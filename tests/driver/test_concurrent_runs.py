@@ -23,7 +23,7 @@ from gnnray.cpus import node_cpus
 
 # What a run prints (gnnray's own lines); anything else on its console is Ray's.
 OWN_LINE = re.compile(r"^(ray: |graph |cpu plan: |epoch=\d+ |layer-wise inference: |best_val_acc=)")
-CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray \S+, torch \S+, numpy \S+, numba \S+ on "
+CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray \S+, torch \S+, numpy \S+, numba \S+, gnnray src-\w+ on "
                           r"every node\), dashboard (\S+)$")
 
 
@@ -60,3 +60,37 @@ def test_two_local_runs_at_once_each_use_their_own_cluster_and_cores(tmp_path):
     cores = [set(u["cpu_cores"]) for u in used]
     assert all(c < set(host.ids) for c in cores) and not cores[0] & cores[1], used  # both pinned, disjoint
     assert sum(u["cpu_threads"] for u in used) <= host.cores, used  # together no more than the host has
+
+
+API_RUNS = """
+import sys
+from gnnray import leases
+from gnnray.config import parse_args
+from gnnray.driver.fit import run
+
+args = sys.argv[1:]
+run(parse_args(args + ["--name", "first"]))
+print("after first:", leases.runs_on_host(), flush=True)
+
+def broken(in_feats, num_classes, cfg):
+    raise RuntimeError(f"registered: {leases.runs_on_host()}")
+
+try:
+    run(parse_args(args + ["--name", "second", "--max-failures", "0"]), model_factory=broken)
+except Exception as e:
+    print("second failed:", " ".join(str(e).split())[-300:], flush=True)
+print("after second:", leases.runs_on_host(), flush=True)
+"""
+
+
+def test_runs_through_the_python_api_release_their_registration_however_they_end(tmp_path):
+    """A notebook's runs: each registers on the host while it runs and is released when it ends, by returning
+    or by raising, so later runs on the host get the whole of it back."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["GNNRAY_CPU_DIR"] = str(tmp_path / "leases")
+    args = [*SMALL, "--num-workers", "1", "--epochs", "1", "--storage-path", str(tmp_path)]
+    out = subprocess.run([sys.executable, "-c", API_RUNS, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=600).stdout  # a bound, not a speed claim
+    assert "after first: []" in out, out[-3000:]
+    assert re.search(r"second failed: .*registered: \['run-\d+-\d+@", out), out[-3000:]  # registered again
+    assert "after second: []" in out, out[-3000:]

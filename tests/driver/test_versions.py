@@ -3,11 +3,14 @@ pinned Ray; a node that differs or does not answer is refused in one line, befor
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 
+import numpy as np
 import pytest
 
 from conftest import _simulated_nodes, other_versions
@@ -37,10 +40,10 @@ def test_versions_read_metadata_without_importing():
     import json
 
     native, graphbolt, imported = json.loads(out.stdout)
-    assert list(native) == ["python", "ray", "torch", "numpy", "numba"] and imported == [], out.stderr[-2000:]
+    assert list(native) == ["python", "ray", "torch", "numpy", "numba", "gnnray"] and imported == [], out.stderr[-2000:]
     assert native["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}" and native["ray"] == stack.RAY
     assert "+" not in native["torch"] and native["numba"]  # torch's build label (+cpu, +cu130) is not compared
-    assert list(graphbolt)[-1] == "dgl"
+    assert list(graphbolt)[-2:] == ["dgl", "gnnray"] and native["gnnray"] == stack.sources()
 
 
 def test_differences_name_what_differs_from_the_driver():
@@ -76,6 +79,72 @@ def test_a_node_that_cannot_answer_is_named(ray_cluster, cluster):
             preflight.check_versions(nodes, stack.versions(), timeout_s=0.001)
 
 
+def test_a_node_whose_probe_fails_there_is_named_with_its_error(ray_cluster, cluster, tmp_path):
+    """A node where gnnray cannot be imported: the check's own failure is what the driver says, not a silence."""
+    # Ray puts the driver's sys.path first on its workers', so the node's import of gnnray is refused where
+    # every import is looked up, before any path: a finder of the node's sitecustomize.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Broken:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'gnnray':\n"
+        "            raise ImportError('gnnray is broken on this node')\n"
+        "sys.meta_path.insert(0, Broken())\n")
+    with _simulated_nodes(cluster, 1, other_versions(tmp_path, {})) as [node]:
+        with pytest.raises(ClusterError) as err:
+            preflight.check_versions(preflight.nodes(), stack.versions())
+    message = str(err.value)
+    assert (f"node {node.node_ip_address} ({node.node_id[:8]}): the version check failed there (" in message
+            and "gnnray is broken on this node" in message and "did not answer" not in message), message
+
+
+def test_a_node_with_other_gnnray_sources_is_named(ray_cluster, cluster, tmp_path):
+    """The same gnnray version number, one module changed: the node runs other code, and is refused."""
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "gnnray", copy / "gnnray", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "gnnray" / "errors.py", "a") as f:
+        f.write("# changed on this node\n")
+    # The node's gnnray is the copy, whatever Ray puts first on its workers' sys.path.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "from importlib.machinery import PathFinder\n"
+        "class Copy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        return PathFinder.find_spec(name, [{str(copy)!r}]) if name == 'gnnray' else None\n"
+        "sys.meta_path.insert(0, Copy())\n")
+    with _simulated_nodes(cluster, 1, other_versions(tmp_path, {})) as [node]:
+        with pytest.raises(ClusterError) as err:
+            preflight.check_versions(preflight.nodes(), stack.versions())
+    assert (f"node {node.node_ip_address} ({node.node_id[:8]}) has gnnray src-" in str(err.value)
+            and f"(driver: {stack.sources()})" in str(err.value)), str(err.value)
+
+
+def test_shard_servers_embedding_owners_and_the_inference_task_check_their_node(ray_cluster, cluster, tmp_path):
+    """The processes the driver places on shard nodes check the node against the driver's stack, as it hands it
+    to the job's processes (their environment), when they start."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from gnnray.data.shards import ShardServer
+    from gnnray.inference.layerwise import _predict
+    from gnnray.train.embedding import EmbeddingOwner
+
+    env = {**other_versions(tmp_path, {"numpy": "9.9.9"}), stack.DRIVER_ENV: json.dumps(stack.versions())}
+    with _simulated_nodes(cluster, 1, env) as [node]:
+        there = dict(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False))
+        server = ray.remote(ShardServer).options(max_restarts=0, **there).remote([ray.put(np.zeros(3))])
+        owner = ray.remote(EmbeddingOwner).options(max_restarts=0, **there).remote(0, 4, 2, 0.1, 0)
+        task = ray.remote(_predict).options(max_retries=0, **there).remote(None, None, [None], 1, False)
+        found = {}
+        for who, ref in [("a shard server", server.__ray_ready__.remote()),
+                         ("an embedding owner", owner.__ray_ready__.remote()), ("the inference task", task)]:
+            with pytest.raises(ray.exceptions.RayError) as err:
+                ray.get(ref, timeout=120)
+            found[who] = str(err.value)
+    for who, message in found.items():
+        assert f"{who} on node {node.node_ip_address} ({node.node_id[:8]}) has numpy 9.9.9 (driver: " in message, who
+
+
 def test_the_driver_without_dgl_refuses_graphbolt_in_one_line():
     if stack.installed(["dgl"])["dgl"] == stack.DGL:
         assert preflight.check_driver("graphbolt")["dgl"] == stack.DGL
@@ -95,7 +164,7 @@ def test_a_mismatch_stops_the_job_in_one_line_before_training(ray_cluster, clust
         assert len(ray._private.state.actors()) == actors, "an actor started before the versions were checked"
     err = own_stderr(capsys.readouterr().err).strip()
     assert err.count("\n") == 0 and "Traceback" not in err, err
-    assert err.startswith("gnnray: error: every node needs the driver's python, ray, torch, numpy, numba, and node "
+    assert err.startswith("gnnray: error: every node needs the driver's python, ray, torch, numpy, numba, gnnray, and node "
                           f"{node.node_ip_address} ({node.node_id[:8]}) has numpy 9.9.9 (driver: "), err
     assert not (tmp_path / "pinned" / METRICS_LOG).exists()
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gnnray import storage
+from gnnray.errors import CheckpointError
 from gnnray.train import checkpoint
 from s3_server import STORAGE_KINDS
 
@@ -275,3 +276,38 @@ def test_damaged_embedding_shards(storage_path):
     assert "do not cover rows 0-10" in checkpoint.corrupt_reason(gap, ("embedding",))
     latest, bad = checkpoint.latest_valid(storage_path, ("embedding",))
     assert latest is None and sorted(bad) == [gap, d]
+
+
+_UNPICKLED = []
+
+
+def _ran_on_load():
+    _UNPICKLED.append(True)
+    return "ran"
+
+
+class _Payload:
+    """What a writer of the run's bucket could put into ``state.pt``: unpickling it calls a function."""
+
+    def __reduce__(self):
+        return _ran_on_load, ()
+
+
+def test_checkpoint_carrying_a_pickled_object_is_refused(tmp_path, monkeypatch):
+    """Only tensors, dicts and numbers are unpickled, whatever torch's default (the env var restores torch < 2.6's
+    default of unpickling anything); such a checkpoint is skipped as corrupt, the older good one resumed."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    save_epoch(tmp_path / "checkpoint_000001", 1)
+    bad = tmp_path / "checkpoint_000002"
+    storage.make_dirs(str(bad))
+    model, opt = trained_model()
+    checkpoint.save(str(bad), model, opt, dict(epoch=2, best_val_acc=0.5), extra={"payload": _Payload()})
+    _UNPICKLED.clear()
+
+    with pytest.raises(CheckpointError, match="objects other than tensors.*not loaded"):
+        checkpoint.load_state(str(bad))
+    assert "objects other than tensors" in checkpoint.corrupt_reason(str(bad))
+    latest, skipped = checkpoint.latest_valid(str(tmp_path))
+    assert latest.epoch == 1 and skipped == [str(bad)]
+    assert checkpoint.load_state(latest.path)["epoch"] == 1  # a normal checkpoint still loads
+    assert _UNPICKLED == []
