@@ -3,7 +3,10 @@
 Local:           python jobs/train_arxiv.py --dataset synthetic --epochs 3
                  (each run starts its own Ray cluster, so several can run at once on one machine)
 On a cluster:    ray job submit --working-dir . -- python jobs/train_arxiv.py
-                 (or RAY_ADDRESS=HOST:PORT python jobs/train_arxiv.py)
+                 or, on one of its nodes, RAY_ADDRESS=auto python jobs/train_arxiv.py
+                 or, elsewhere, RAY_ADDRESS=HOST:PORT python jobs/train_arxiv.py; a cluster that
+                 `ray start` began with token authentication (Ray's default) then also needs
+                 RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the token in the head's ~/.ray/auth_token>
 ``--help`` lists every option.
 """
 

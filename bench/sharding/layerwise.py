@@ -49,6 +49,8 @@ from bench.sharding.settings import FIGURE, MIB, ShardSettings
 USED, PRIMARY = "object_store_bytes_used", "object_store_bytes_primary_copy"
 SPILLED, FALLBACK = "spilled_bytes_total", "object_store_bytes_fallback"  # to disk; allocated outside the store
 FIELDS = (USED, PRIMARY, SPILLED, FALLBACK)
+# Each node's metrics endpoint: ray_object_store_memory in shared memory and in the store's disk fallback.
+METRICS, STORE_LOCATIONS = "ray_object_store_memory", ("MMAP_SHM", "MMAP_DISK")
 
 
 class Rank:
@@ -76,6 +78,15 @@ class Rank:
                   shards=self._handle.features)
         return r.ranges, r.pred, r.seconds
 
+    def sampled(self, model, cfg) -> tuple:
+        """``--eval sampled``'s final accuracies as the train workers compute them (valid, test): the baseline."""
+        from gnnray.train.evaluate import Evaluator
+
+        start = time.perf_counter()
+        ev = Evaluator(self._graph, cfg, self._rank, self._world, "cpu", features=self._reader, handle=self._handle)
+        acc = [ev.accuracy(model, split) for split in ("valid", "test")]
+        return [], np.asarray(acc), time.perf_counter() - start
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -83,30 +94,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(cl: SimulatedCluster, handle, model, nodes: list, num_nodes: int, chunk: int, poll_s: float) -> dict:
-    """Inference by one rank per node of ``nodes``: the predictions, and each node's store figures over the run
-    (the largest reading of each field less the one before)."""
+def metrics_store_bytes(cl: SimulatedCluster, *fields: str) -> dict:
+    """``{node_id: {METRICS: bytes}}``: each node's ``ray_object_store_memory`` over ``MMAP_SHM`` and ``MMAP_DISK``,
+    from its metrics endpoint (every object in its store: primary copies and copies fetched from other nodes)."""
+    import re
+    import urllib.request
+
+    import ray
+
+    out = {}
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics",
+                                        timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        total = 0.0
+        for m in re.finditer(r"^ray_object_store_memory\{([^}]*)\} (\S+)$", text, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if labels.get("Location") in STORE_LOCATIONS and labels.get("NodeId", n["NodeID"]) == n["NodeID"]:
+                total += float(m.group(2))
+        out[n["NodeID"]] = {METRICS: int(total)}
+    return out
+
+
+def run_ranks(cl: SimulatedCluster, handle, model, nodes: list, num_nodes: int, chunk: int, poll_s: float,
+              read=None, fields: tuple = FIELDS, sampled=None) -> dict:
+    """Inference by one rank per node of ``nodes`` (with ``sampled``, a JobConfig: sampled evaluation instead): the
+    predictions, and each node's store figures over the run (the largest reading of each field less the one
+    before), read by ``read(cl, *fields)`` (the raylets' store stats by default)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    read = read or SimulatedCluster.store_stats
     port = _free_port()
     ranks = [ray.remote(Rank).options(num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
         n, soft=False)).remote(handle, r, len(nodes), port) for r, n in enumerate(nodes)]
     try:
         ray.get([r.ready.remote() for r in ranks])
-        before = cl.store_stats(*FIELDS)
+        before = read(cl, *fields)
         peak, stop = {n: dict(v) for n, v in before.items()}, threading.Event()
 
         def poll() -> None:
             while not stop.wait(poll_s):
-                for n, stats in cl.store_stats(*FIELDS).items():
+                for n, stats in read(cl, *fields).items():
                     for f, v in stats.items():
                         peak.setdefault(n, {})[f] = max(peak.get(n, {}).get(f, 0), v)
 
         watcher = threading.Thread(target=poll, daemon=True)
         watcher.start()
         start = time.perf_counter()
-        results = ray.get([r.infer.remote(model, chunk) for r in ranks])
+        results = ray.get([r.infer.remote(model, chunk) if sampled is None else r.sampled.remote(model, sampled)
+                           for r in ranks])
         wall_s = time.perf_counter() - start
         stop.set()
         watcher.join()
@@ -119,9 +161,11 @@ def run_ranks(cl: SimulatedCluster, handle, model, nodes: list, num_nodes: int, 
         for lo, hi, _ in ranges:
             pred[lo:hi] = p[at:at + hi - lo]
             at += hi - lo
-    grew = {f: {cl.name(n): (peak[n][f] - before.get(n, {}).get(f, 0)) / MIB for n in nodes} for f in FIELDS}
+    grew = {f: {cl.name(n): (peak[n][f] - before.get(n, {}).get(f, 0)) / MIB for n in nodes} for f in fields}
     return dict(pred=pred, wall_s=wall_s, rank_s=[s for _, _, s in results], mib=grew,
-                before_mib={cl.name(n): before.get(n, {}).get(FIELDS[0], 0) / MIB for n in nodes})
+                peak_mib={cl.name(n): peak[n][fields[0]] / MIB for n in nodes},
+                before_mib={cl.name(n): before.get(n, {}).get(fields[0], 0) / MIB for n in nodes},
+                accuracy=[p.tolist() for r, p, _ in results if not r] or None)
 
 
 def remote_rows(graph, lo: int, hi: int, chunk: int) -> int:
@@ -232,6 +276,71 @@ def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[R
     ]
 
 
+def bench_stores(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]:
+    """The store run: K = 3, three ranks beside their shards on nodes of ``stores_store_mib`` stores, sampled then
+    layer-wise evaluation, then K = 1's layer-wise predictions; each node's whole store use (its metrics endpoint,
+    Ray reporting every ``metrics_s``) at its peak, layer-wise against sampled, and the bound 2 x table / K."""
+    import os
+
+    import torch
+
+    from gnnray.config import parse_args
+    from gnnray.data.shards import hidden_nbytes
+    from gnnray.train.model import build_model
+
+    k, runs = max(ss.shards), {}
+    interval = os.environ.get("RAY_metrics_report_interval_ms")
+    os.environ["RAY_metrics_report_interval_ms"] = str(int(ss.metrics_s * 1000))  # the cluster's processes read it
+    cl = SimulatedCluster(dataclasses.replace(ss, store_mib=ss.stores_store_mib), verbose)
+    try:
+        for name, shards in (("sampled", k), ("layerwise", k), ("layerwise K=1", 1)):
+            pub, _ = publish(data, shards, ss.cache, ss.seed)
+            graph, handle = pub.graph, pub.handle
+            torch.manual_seed(ss.seed)
+            model = build_model(ss.feat_dim, graph.num_classes, ss.stores_layers, ss.stores_hidden, 0.0).eval()
+            nodes = [s.node_id for s in handle.features.shards] if shards > 1 else runs["layerwise"]["nodes"]
+            cfg = dataclasses.replace(parse_args(["--fanouts", ",".join(["10"] * ss.stores_layers)]), data=dataclasses
+                                      .replace(data, feature_shards=shards)) if name == "sampled" else None
+            run = run_ranks(cl, handle, model, nodes, graph.num_nodes, ss.stores_chunk, ss.metrics_s,
+                            read=metrics_store_bytes, fields=(METRICS,), sampled=cfg)
+            run["nodes"] = nodes
+            runs[name] = run
+            print(f"  {name}, {ss.stores_store_mib} MiB stores, K={shards}: each node's store peak (whole use) "
+                  + ", ".join(f"{n} {v:.1f}" for n, v in run["peak_mib"].items()) + f" MiB; {run['wall_s']:.1f} s",
+                  flush=True)
+            del pub, graph, handle
+            gc.collect()
+    finally:
+        cl.close()
+        if interval is None:
+            os.environ.pop("RAY_metrics_report_interval_ms", None)
+        else:
+            os.environ["RAY_metrics_report_interval_ms"] = interval
+    n = runs["layerwise"]["pred"].shape[0]
+    table = n * ss.stores_hidden * 4 / MIB
+    bound = 2 * table / k  # the tables of two layers' ranges; with 2 layers one table's range, at most
+    ranges = hidden_nbytes(n, [ss.stores_hidden] * (ss.stores_layers - 1), k) / MIB
+    lw, base = runs["layerwise"]["peak_mib"], runs["sampled"]["peak_mib"]
+    above = {node: lw[node] - base[node] for node in lw}
+    agree = float(np.mean(runs["layerwise"]["pred"] == runs["layerwise K=1"]["pred"]))
+    out["stores"] = dict(nodes=n, layers=ss.stores_layers, hidden=ss.stores_hidden, chunk=ss.stores_chunk,
+                         store_mib=ss.stores_store_mib, table_mib=table, bound_mib=bound, ranges_mib=ranges,
+                         above_mib=above,
+                         pred_agree=agree, runs={name: {key: v for key, v in r.items() if key != "pred"}
+                                                 for name, r in runs.items()})
+    worst = max(above.values())
+    return [
+        Row(f"{FIGURE}: layer-wise, K={k}: each node's whole store use at its peak over --eval sampled's (metrics "
+            f"endpoint, MMAP_SHM + MMAP_DISK; {ss.stores_layers} layers x {ss.stores_hidden}, table {table:.1f} "
+            f"MiB; {ss.stores_store_mib} MiB stores)", ours=", ".join(f"+{v:.1f}" for v in above.values())
+            + " MiB", baseline=f"2 x table / K = {bound:.1f} MiB (the ranges held: {ranges:.1f})",
+            ratio=f"{worst / bound:.2f}x", target="<= 1.00x",
+            met="yes" if worst <= bound else "NO", detail=out["stores"]),
+        Row(f"{FIGURE}: the same run's predictions, K={k} equal to K=1", ours=f"{agree:.2%}", baseline="100%",
+            ratio="-", target="100%", met="yes" if agree == 1.0 else "NO"),
+    ]
+
+
 def main(argv=None) -> int:
     import argparse
     import json
@@ -246,13 +355,17 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="the section's --quick settings")
     p.add_argument("--json", default="", help="where to write the figures")
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
+    p.add_argument("--stores", action="store_true", help="the store run instead: each node's whole store use, "
+                   "layer-wise against sampled evaluation (stores_* settings)")
     args = p.parse_args(argv)
     ss, out = settings(args.quick), {}
+    if args.stores:
+        ss = dataclasses.replace(ss, nodes=ss.stores_nodes)
     with tempfile.TemporaryDirectory() as tmp:
         data, info = graph_dir(ss, Path(tmp))
         print(f"graph: {info['nodes']:,} nodes, {info['edges']:,} edges, {ss.feat_dim} float32 features; a head and "
               f"{ss.worker_nodes} nodes", flush=True)
-        rows = bench_layerwise(ss, data, args.verbose, out)
+        rows = (bench_stores if args.stores else bench_layerwise)(ss, data, args.verbose, out)
     print(format_table(rows), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(graph=info, settings=dataclasses.asdict(ss), **out), indent=1,

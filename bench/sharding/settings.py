@@ -49,6 +49,14 @@ class ShardSettings:
     infer_chunk: int = 2000
     poll_s: float = 0.01
     infer_store_mib: int = 100  # stores with room for K = 3's ranges of the tables, not for K = 1's whole ones
+    # The store run (layerwise.py --stores): a table of 614 MB (N x hidden x 4 B) on stores that hold a node's
+    # range of it, layer-wise against sampled evaluation; each node's metrics endpoint read every metrics_s.
+    stores_nodes: int = 300_000
+    stores_layers: int = 2
+    stores_hidden: int = 512
+    stores_store_mib: int = 900
+    stores_chunk: int = 10_000  # --inference-batch-size's default
+    metrics_s: float = 0.5
     limit_gb: float = 2.25  # RLIMIT_DATA of the driver publishing a table twice that (its VmData is ~1.9 GB)
     seed: int = 0
 

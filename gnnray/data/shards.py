@@ -309,10 +309,7 @@ def wait_calls(calls: list, timeout_s: float, failing: str, each: Optional[Calla
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                late = [calls[index[r]][0] for r in pending]
-                raise FeatureShardError(" and ".join(f"feature shard {s.lo}:{s.hi} on {s.where()}" for s in late)
-                                        + f" {failing}: no answer within {timeout_s:g}s"
-                                        + (" (--feature-timeout)" if failing == GATHER else ""))
+                _late([calls[index[r]][0] for r in pending], timeout_s, failing)
             for ref in ready:
                 i = index[ref]
                 results[i] = _result(calls[i][0], ref, failing)
@@ -326,6 +323,41 @@ def wait_calls(calls: list, timeout_s: float, failing: str, each: Optional[Calla
                 pass
         raise
     return results
+
+
+def wait_streams(calls: list, timeout_s: float, failing: str, each: Callable) -> None:
+    """:func:`wait_calls` for streaming calls (``(shard, ObjectRefGenerator)`` pairs): ``each(i, piece)`` for every
+    piece call ``i`` yields, in order per call, as they arrive; the same deadline and errors."""
+    import ray
+
+    index = {id(g): i for i, (_, g) in enumerate(calls)}
+    pending, deadline = [g for _, g in calls], time.monotonic() + timeout_s
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                _late([calls[index[id(g)]][0] for g in pending], timeout_s, failing)
+            for g in ready:
+                i = index[id(g)]
+                try:
+                    ref = next(g)
+                except StopIteration:  # every piece of this call arrived
+                    continue
+                each(i, _result(calls[i][0], ref, failing))
+                pending.append(g)
+    except BaseException:
+        for g in pending:  # nobody waits for them any more: spare the servers the work
+            try:
+                ray.cancel(g)
+            except Exception:
+                pass
+        raise
+
+
+def _late(shards: list, timeout_s: float, failing: str):
+    raise FeatureShardError(" and ".join(f"feature shard {s.lo}:{s.hi} on {s.where()}" for s in shards)
+                            + f" {failing}: no answer within {timeout_s:g}s"
+                            + (" (--feature-timeout)" if failing == GATHER else ""))
 
 
 def _result(shard: Shard, ref, failing: str):
@@ -391,6 +423,19 @@ def hidden_nbytes(num_rows: int, widths: list, k: int) -> int:
     shard servers holds at once: its range's rows of the table a layer reads and of the one it writes."""
     held = [widths[0]] + [a + b for a, b in zip(widths, widths[1:])] if widths else [0]
     return int(np.diff(shard_bounds(num_rows, k)).max()) * max(held) * 4
+
+
+def node_nbytes(features: ShardedFeatures, widths: list) -> dict:
+    """``{node id: (shard bytes, hidden bytes)}``: the feature rows of the shards each node holds and its ranges'
+    rows of layer-wise inference's hidden tables at most (:func:`hidden_nbytes`), summed over its shards: a
+    :func:`repair` may place a lost shard beside another."""
+    held = [widths[0]] + [a + b for a, b in zip(widths, widths[1:])] if widths else [0]
+    per: dict = {}
+    for s in features.shards:
+        rows = s.hi - s.lo
+        f, h = per.get(s.node_id, (0, 0))
+        per[s.node_id] = (f + rows * features.dim * np.dtype(features.dtype).itemsize, h + rows * max(held) * 4)
+    return per
 
 
 def cache_nbytes(num_rows: int, dim: int, dtype: str, fraction: float) -> int:

@@ -95,12 +95,7 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
 
     graph = pub.graph
     use_gpu = launch.resolve_gpu(cfg, pub.local)
-    if model_factory is None:  # a user model's widths (and whether it infers layer-wise) are its own
-        note = preflight.check_layerwise(cfg, graph.num_nodes, graph.nbytes, pub.handle.features, preflight.nodes(),
-                                         use_gpu)
-        if note:
-            console.say(note)
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval="sampled"))
+    cfg = _layerwise_fits(cfg, pub, use_gpu, model_factory)
     owners = _embedding_owners(cfg, pub)
     cpu = cpu_policy(cfg, use_gpu)
 
@@ -136,10 +131,26 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
             console.say(f"training failed ({one_line(e)}); restart {restarts}/{cfg.run.max_failures} "
                         "from the last checkpoint")
             pub = launch.rebuild_lost_shards(pub)
+            cfg = _layerwise_fits(cfg, pub, use_gpu, model_factory)  # the repair may have put two shards on a node
             owners = _embedding_owners(cfg, pub, owners)
             continue
         latest, _ = checkpoint.latest_valid(run_dir)
         return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory), restarts)
+
+
+def _layerwise_fits(cfg: JobConfig, pub, use_gpu: bool, model_factory) -> JobConfig:
+    """``cfg``, its final evaluation sampled where layer-wise inference's hidden tables do not fit the stores as the
+    shards are placed now and ``--eval-fallback`` allows it (:func:`preflight.check_layerwise` raises otherwise)."""
+    from gnnray.driver import console
+
+    if model_factory is not None:  # a user model's widths (and whether it infers layer-wise) are its own
+        return cfg
+    note = preflight.check_layerwise(cfg, pub.graph.num_nodes, pub.graph.nbytes, pub.handle.features,
+                                     preflight.nodes(), use_gpu)
+    if note:
+        console.say(note)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval="sampled"))
+    return cfg
 
 
 @contextlib.contextmanager

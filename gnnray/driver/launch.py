@@ -99,6 +99,7 @@ def _connect(options: dict, job_env: dict):
 
     address = os.environ["RAY_ADDRESS"]
     preflight.check_address(address)
+    check_token(address)
     # The job's processes are the cluster's: the warning hidden here (init_ray) is hidden there through the
     # job's runtime env.
     env = {**job_env, "PYTHONWARNINGS": _ignore_deprecation()}
@@ -107,9 +108,52 @@ def _connect(options: dict, job_env: dict):
     except ConnectionError as e:
         raise ClusterError(
             f"cannot connect to the Ray cluster at RAY_ADDRESS={address} ({e}). Check that "
-            f"it is up (ray status). A cluster started by `ray start` may require its auth token, which "
-            f"Ray reads only with RAY_ADDRESS=auto on one of its nodes: use that, set RAY_AUTH_MODE=token "
-            f"and RAY_AUTH_TOKEN, or submit the job with `ray job submit`") from None
+            f"it is up (ray status). {_TOKEN_HELP}") from None
+
+
+# What works with a cluster that `ray start` began with its default, token authentication.
+_TOKEN_HELP = ("On a node of the cluster use RAY_ADDRESS=auto (Ray then reads ~/.ray/auth_token); elsewhere set "
+               "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the token in the head's ~/.ray/auth_token (or "
+               "RAY_AUTH_TOKEN_PATH to a file holding it), or submit the job with `ray job submit`")
+
+
+def check_token(address: str, timeout_s: float = preflight.CONNECT_TIMEOUT_S) -> None:
+    """Raise :class:`ClusterError` if the cluster at ``RAY_ADDRESS`` (``host:port``) refuses this process's auth
+    token, or its lack of one; other failures are left to ``ray.init``.
+
+    One call to the cluster's GCS with what Ray would send (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``): Ray's own client retries a refused token once a second
+    for 20 s, a log line each time, before it fails.
+    """
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit() or os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
+        return
+    import grpc
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    from ray.exceptions import AuthenticationError
+
+    metadata: tuple = ()
+    if get_authentication_mode() == AuthenticationMode.TOKEN:
+        loader = AuthenticationTokenLoader.instance()
+        try:
+            found = loader.has_token()
+        except AuthenticationError:  # how Ray 2.60 says there is none
+            found = False
+        if not found:
+            raise ClusterError(f"RAY_AUTH_MODE=token, but no auth token to join RAY_ADDRESS={address} with. "
+                               f"{_TOKEN_HELP}")
+        metadata = tuple(loader.get_token_for_http_header().items())
+    with grpc.insecure_channel(address) as channel:
+        try:
+            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                return  # not the token's fault: ray.init says what is
+            what = "refuses the auth token this process sent" if metadata else "requires an auth token"
+            raise ClusterError(f"the Ray cluster at RAY_ADDRESS={address} {what} (token authentication). "
+                               f"{_TOKEN_HELP}") from None
 
 
 def _start_local(cfg: JobConfig, options: dict, job_env: dict):

@@ -258,7 +258,7 @@ def check_layerwise(cfg: JobConfig, num_nodes: int, graph_bytes: int, features, 
     Raises:
         ClusterError: They do not fit and ``--eval-fallback`` is off; it says what a node needs and what to do.
     """
-    from gnnray.data.shards import hidden_nbytes
+    from gnnray.data.shards import hidden_nbytes, node_nbytes
 
     layers = cfg.sampler.num_layers
     if cfg.train.eval != "layerwise" or layers < 2 or (features is None and cfg.train.workers_max < 2):
@@ -268,25 +268,29 @@ def check_layerwise(cfg: JobConfig, num_nodes: int, graph_bytes: int, features, 
     table = f"{num_nodes:,} nodes x {width} x 4 B"
     if features is None:
         hidden = num_nodes * sum(widths) * 4
-        need = graph_bytes + hidden
         nodes = [n for n in cluster if _worker_slots(n, cfg.train.cpus_per_worker, use_gpu) >= 1]
+        need = {n.node_id: graph_bytes + hidden for n in nodes}
         what = (f"each node with a train worker holds every hidden table whole, {len(widths)} x {table} = "
                 f"{size_text(hidden)}, beside the graph's {size_text(graph_bytes)}")
         fix = "shard them with --feature-shards K (a shard node then holds 2 x table / K)"
     else:
         k = len(features.shards)
         hidden = hidden_nbytes(num_nodes, widths, k)
-        need = graph_bytes + features.shard_bytes + features.cache_bytes + hidden
-        held = {s.node_id for s in features.shards}
+        # Per node, as placed: a repair may have put two shards on one node.
+        held = node_nbytes(features, widths)
         nodes = [n for n in cluster if n.node_id in held]
+        need = {n.node_id: graph_bytes + sum(held[n.node_id]) + features.cache_bytes for n in nodes}
+        two = max((sum(1 for s in features.shards if s.node_id == n.node_id) for n in nodes), default=1)
         what = (f"each feature-shard node holds its range of {min(2, len(widths))} hidden table(s) of {table}, "
                 f"{size_text(hidden)} at K={k}, beside structure {size_text(graph_bytes)} + shard "
-                f"{size_text(features.shard_bytes)} + cache {size_text(features.cache_bytes)}")
+                f"{size_text(features.shard_bytes)} + cache {size_text(features.cache_bytes)}"
+                + (f"; a node holding {two} shards since a repair, {two} times the ranges" if two > 1 else ""))
         fix = "raise --feature-shards (2 x table / K per node)"
-    short = [n for n in nodes if need > GRAPH_STORE_FRACTION * n.object_store_bytes]
+    short = [n for n in nodes if need[n.node_id] > GRAPH_STORE_FRACTION * n.object_store_bytes]
     if not short:
         return None
-    n = min(short, key=lambda n: n.object_store_bytes)
+    n = min(short, key=lambda n: GRAPH_STORE_FRACTION * n.object_store_bytes - need[n.node_id])
+    need = need[n.node_id]
     text = (f"--eval layerwise needs {size_text(need)} of object store per node ({what}; at most "
             f"{GRAPH_STORE_FRACTION:.0%} of a store) and node {n.address} ({n.node_id[:8]}) has "
             f"{size_text(n.object_store_bytes)}")

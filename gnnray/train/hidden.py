@@ -11,8 +11,9 @@ its node's store:
 - each chunk a rank computes goes to its range's server at once (:meth:`Tables.keep`),
   so a rank holds a chunk, never its slice;
 - the next layer reads the rows a chunk needs from each server that holds
-  some (:class:`HiddenRows`: one call per chunk and shard, under ``--feature-timeout``),
-  and keeps none of them;
+  some (:class:`HiddenRows`: one streaming call per chunk and shard, under ``--feature-timeout``),
+  in pieces that Ray sends inside its replies, not through the object store
+  (:mod:`gnnray.data.hidden_rows`), and keeps none of them;
 - once every rank finished layer ``i``, table ``i - 1`` is dropped.
 
 So a shard node's store holds at most its range's rows of two tables, the one
@@ -29,7 +30,8 @@ from typing import Optional
 
 import numpy as np
 
-from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls
+from gnnray.data.hidden_rows import piece_rows
+from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls, wait_streams
 from gnnray.pipeline.features import FeatureReader
 
 # Chunks a rank may have on their way to the servers while it computes the next one.
@@ -66,16 +68,22 @@ class HiddenRows(FeatureReader):
     def gather(self, ids, out):
         ids = np.asarray(ids, dtype=np.int64)
         order, at = route(self._starts, ids)
+        piece = piece_rows(self.dim)
         calls = []
         for k, s in enumerate(self._h.shards):
             pos = order[at[k]:at[k + 1]]
             if pos.size:
-                calls.append((s, pos, s.server.hidden.remote(self._token, self._layer, ids[pos])))
+                calls.append((s, pos, s.server.hidden.options(num_returns="streaming").remote(
+                    self._token, self._layer, ids[pos], piece)))
+        done = [0] * len(calls)
 
         def put(i, rows):
-            out[calls[i][1]] = rows
+            out[calls[i][1][done[i]:done[i] + len(rows)]] = rows
+            done[i] += len(rows)
 
-        wait_calls([(s, ref) for s, _, ref in calls], self._h.timeout_s, GATHER, put)
+        wait_streams([(s, gen) for s, _, gen in calls], self._h.timeout_s, GATHER, put)
+        if done != [len(pos) for _, pos, _ in calls]:
+            raise RuntimeError(f"hidden rows: {sum(done)} of {len(ids)} rows arrived (a bug)")
         st = self._stats
         st.batches, st.rows, st.remote_calls = st.batches + 1, st.rows + len(ids), st.remote_calls + len(calls)
 
@@ -94,6 +102,8 @@ class Tables:
 
         self._h, self._rank, self._world, self._device = shards, rank, world, device
         me = (ray.get_runtime_context().get_node_id(), uuid.uuid4().hex)
+        if rank == 0:  # before any rank keeps rows: the other ranks wait for rank 0 in the exchange below
+            self._wait([(s, s.server.begin.remote(me[1])) for s in shards.shards], "did not begin hidden rows")
         everyone = [me]
         if world > 1:
             import torch.distributed as dist

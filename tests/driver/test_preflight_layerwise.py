@@ -1,12 +1,14 @@
 """Before training: does layer-wise inference's hidden tables fit the object stores that would hold them?
 
 The driver's check (``preflight.check_layerwise``) on made-up clusters, with
-papers100M's own sizes: README's recipe (K = 4 on 60 GB stores) cannot hold
+papers100M's own sizes: docs/scaling.md's recipe (K = 4 on 60 GB stores) cannot hold
 them, K = 8 on 70 GB stores can; the refusal is one line with the figure, and
 ``--eval-fallback`` turns it into a note.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -107,3 +109,20 @@ def test_gat_tables_are_heads_times_wider():
         check_layerwise(_cfg("--feature-shards", "4", "--model", "gat", "--heads", "4"), n, STRUCTURE // 10,
                         features, nodes, True)
     assert np.isclose(gat / (n / 4 * 2 * 1024 * 4), 1.0)
+
+
+def test_two_shards_on_one_node_after_a_repair_need_both_ranges():
+    """A repair can put a lost shard beside another: that node then holds both shards and both ranges' hidden rows,
+    which one shard per node's figure would pass."""
+    nodes = _nodes(4, 60e9)
+    features = _features(nodes)
+    cfg = _cfg("--feature-shards", "4", "--fanouts", "10,10")  # one hidden table
+    one = STRUCTURE / 4  # a made-up structure, a quarter of papers100M's
+    # 3.7 + 14.2 + 6.1 + 28.4 = 52.4 GB within 90% of 60 GB; with two shards 94.9 GB.
+    assert check_layerwise(cfg, PAPERS, one, features, nodes, True) is None
+    lost = features.shards[3]
+    repaired = dataclasses.replace(features, shards=features.shards[:3] + (dataclasses.replace(
+        lost, node_id=nodes[0].node_id, address=nodes[0].address),))
+    with pytest.raises(ClusterError) as e:
+        check_layerwise(cfg, PAPERS, one, repaired, nodes, True)
+    assert "node 10.0.0.0" in str(e.value) and "2 shards" in str(e.value)
