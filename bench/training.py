@@ -82,7 +82,7 @@ def steady(epochs: list[dict], seeds_per_step: int) -> dict:
 def measure_job(data: DataConfig, s: Settings, workdir: Path, name: str, label: str) -> dict:
     """Train with ``gnnray.driver.fit.run`` as ``s`` says; the steady medians, every epoch and the worker's threads."""
     from gnnray.driver import fit
-    from gnnray.train.report import METRICS_LOG
+    from gnnray.storage import METRICS_LOG
 
     cfg = job_config(data, s, workdir, name)
     run_dir = Path(cfg.run.storage_path) / cfg.run.name

@@ -98,7 +98,7 @@ def timed(name: str, cmd: list[str], on_epoch_log: typing.Optional[Path] = None)
 
 
 def ours(cfg: JobConfig) -> dict:
-    from gnnray.train.report import METRICS_LOG
+    from gnnray.storage import METRICS_LOG
 
     argv = job_argv(cfg)
     log = Path(cfg.run.storage_path) / cfg.run.name / METRICS_LOG

@@ -60,6 +60,12 @@ def join(location: str, *parts: str) -> str:
     return posixpath.join(base, *parts) + sep + query
 
 
+# The files a run keeps beside its checkpoints, read by the driver's console as the train workers write them.
+METRICS_LOG = "metrics.jsonl"  # rank 0 appends one JSON line per epoch
+PROGRESS_FILE = ".progress"  # rank 0 rewrites "epoch step steps" during an epoch
+WORKERS_LOG = "workers.jsonl"  # an elastic run's worker-group starts and preemption notices
+
+
 def run_dir(storage_path: str, name: str) -> str:
     """The directory of run ``name`` under ``--storage-path`` (``STORAGE_PATH/NAME``, a path or a URI)."""
     return join(normalize(storage_path), name)

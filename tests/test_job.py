@@ -14,7 +14,7 @@ from gnnray.config import parse_args
 from gnnray.cpus import CpuPlan, node_cpus, samplers_per_node
 from gnnray.driver.cli import main
 from gnnray.driver.fit import run
-from gnnray.train.report import METRICS_LOG
+from gnnray.storage import METRICS_LOG
 from shared_runs import SYNTHETIC
 
 

@@ -86,3 +86,13 @@ def test_stage_table_names_existing_files():
     table = [line.split()[1].strip("`") for line in gnnray.__doc__.splitlines() if line[:1].isdigit()]
     assert len(table) >= 8
     assert [f for f in table if not (PACKAGE / f).is_file()] == []
+
+
+def test_the_console_imports_no_torch():
+    """The driver's console reads the run's files: it needs their names (``gnnray.storage``), not torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, gnnray.driver.console; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -20,8 +20,8 @@ import time
 from typing import Optional
 
 from gnnray import storage
+from gnnray.storage import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 from gnnray.logs import quiet_console
-from gnnray.train.report import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 
 
 def say(line: str) -> None:

@@ -27,14 +27,12 @@ from typing import Optional
 import torch
 
 from gnnray import storage
+from gnnray.storage import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 from gnnray.train import checkpoint
 from gnnray.train.embedding import EmbeddingTable
 
-METRICS_LOG = "metrics.jsonl"  # rank 0 appends one JSON line per epoch
-PROGRESS_FILE = ".progress"  # rank 0 rewrites "epoch step steps" during an epoch
 # How often rank 0 rewrites the progress file: each rewrite of an object is a request on the training thread.
 PROGRESS_EVERY_S = {False: 0.5, True: 5.0}  # a file, an object
-WORKERS_LOG = "workers.jsonl"  # an elastic run's worker-group starts and preemption notices
 
 
 def log_event(run_dir: str, event: str, **fields) -> dict:

@@ -29,7 +29,7 @@ from gnnray.train import checkpoint
 from gnnray.config import parse_args
 from gnnray.driver.fit import run
 from gnnray.pipeline.seeds import SeedPlan
-from gnnray.train.report import METRICS_LOG, WORKERS_LOG
+from gnnray.storage import METRICS_LOG, WORKERS_LOG
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # RecordingModel reaches the workers by value
 

@@ -19,7 +19,7 @@ from gnnray import stack
 from gnnray.driver import preflight
 from gnnray.driver.cli import main
 from gnnray.errors import ClusterError
-from gnnray.train.report import METRICS_LOG
+from gnnray.storage import METRICS_LOG
 
 
 def _pins(deps: list[str]) -> dict:

@@ -12,7 +12,8 @@ from gnnray.config import JobConfig, ModelConfig, RunConfig, SamplerConfig, Trai
 from gnnray.train import checkpoint, evaluate
 from gnnray.train.evaluate import Evaluator
 from plain_sage import mean_sage
-from gnnray.train.report import METRICS_LOG, PrivateMemory
+from gnnray.storage import METRICS_LOG
+from gnnray.train.report import PrivateMemory
 
 
 def test_evaluation_in_one_batch_on_this_thread_equals_several(ray_cluster, graph, monkeypatch):
