@@ -199,3 +199,24 @@ def test_batches_move_and_pack_like_the_actors_batches():
     assert back.input_nodes.tolist() == mb.input_nodes.tolist()
     assert [l.indptr.tolist() for l in back.layers] == [l.indptr.tolist() for l in mb.layers]
     assert mb.to("cpu").labels.dtype == torch.int64
+
+
+def test_device_batches_follow_the_seed_plan_with_their_features():
+    """A rank's seed rows become batches of the plan's seeds, features gathered for their input nodes."""
+    from gnnray.config import parse_args
+    from gnnray.pipeline.device_sampler import device_batches
+    from gnnray.pipeline.seeds import SeedPlan
+
+    graph = tiny_graph(num_nodes=300, num_edges=3000, seed=6)
+    cfg = parse_args(["--batch-size", "16", "--fanouts", "4,3", "--num-workers", "2", "--sample-on", "device"])
+    plan = SeedPlan.for_run(graph.train_idx, 16, 2, cfg.run.seed)
+    rows = [0, 2, plan.rows_per_epoch + 1]  # a rank's rows, into the next epoch
+    batches = list(device_batches([{"row": np.array(rows[:2])}, {"row": np.array(rows[2:])}], graph, cfg, 2,
+                                  graph.feat, torch.device("cpu")))
+    for row, mb in zip(rows, batches):
+        epoch = row // plan.rows_per_epoch
+        assert mb.epoch == epoch
+        assert mb.seeds.tolist() == plan.batches(epoch)[row % plan.rows_per_epoch].tolist()
+        check_batch(graph, (4, 3), mb.seeds.numpy(), mb)
+        assert mb.labels.dtype == torch.int64 and mb.x.dtype == torch.float32
+        assert torch.equal(mb.x, torch.from_numpy(graph.feat[mb.input_nodes.numpy()]))
