@@ -10,8 +10,8 @@ Two pure rules, so that the plan is testable without a cluster or a GPU:
   seeds/s), capped by the cores the node can give them.
 
 One actor's pace is the native sampler's measured seeds/s per core on the
-products-shaped graph (docs/performance.md, ``bench/sampling.py``), the
-densest graph measured: a conservative figure for sparser ones.
+products-shaped graph (:data:`SEEDS_PER_CORE`), the densest graph
+measured: a conservative figure for sparser ones.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-# Seeds/s one core of the native sampler keeps on the products-shaped graph (1M nodes, average in-degree 50,
-# fanouts 15,10,5, batches of 1024): docs/performance.md, `python -m bench.sampling`.
-SEEDS_PER_CORE = 20_000
+# Seeds per CPU-second of the native sampler on one thread, on the products-shaped graph (1M nodes, average
+# in-degree 50, 48M edges; fanouts 15,10,5, batches of 1024, 484k input nodes a batch): 15,852 measured on a
+# shared 2-core host (docs/performance.md has 19,966 on the 2.4M-node graph).
+SEEDS_PER_CORE = 16_000
 # Steps/s a GPU's step can reach: the step ceiling measured on an H200 at products shape is 3.5 ms; taking
 # 4 ms keeps the rule on the safe side of what any GPU here needs.
 GPU_STEP_S = 0.004

@@ -24,10 +24,12 @@ def test_auto_samples_in_actors_on_cpu_workers():
 
 def test_auto_samples_on_the_gpu_where_the_cores_cannot_keep_pace_and_the_structure_fits():
     # 1024 seeds every 4 ms: 256,000 seeds/s, more than 12 cores of 20,000.
-    where, why = sample_on("auto", True, 1 * GIB, 80 * GIB, 12, 1024)
+    where, why = sample_on("auto", True, 1 * GIB, 80 * GIB, 12, 1024, seeds_per_core=20_000, step_s=0.004)
     assert where == "device" and "256,000" in why
     # Enough cores per GPU: the actors keep pace.
-    assert sample_on("auto", True, 1 * GIB, 80 * GIB, 16, 64)[0] == "actors"
+    assert sample_on("auto", True, 1 * GIB, 80 * GIB, 16, 64, seeds_per_core=20_000, step_s=0.004)[0] == "actors"
+    # With the module's own pace and step: the products-shaped step needs the GPU at 12 cores a GPU.
+    assert sample_on("auto", True, 1 * GIB, 80 * GIB, 12, 1024)[0] == "device"
     # The structure takes more than a quarter of the GPU, or the GPU's memory is unknown: actors.
     assert sample_on("auto", True, 30 * GIB, 80 * GIB, 12, 1024)[0] == "actors"
     assert sample_on("auto", True, 1 * GIB, None, 12, 1024)[0] == "actors"
@@ -41,11 +43,12 @@ def test_auto_samples_on_the_gpu_where_the_cores_cannot_keep_pace_and_the_struct
     (0.0499, 1000, 8, 2),  # just above it
 ])
 def test_actors_follow_the_step_rate(step_s, batch, cores, want):
-    assert actors_for_pace(step_s, batch, cores) == want
+    assert actors_for_pace(step_s, batch, cores, seeds_per_actor=20_000) == want
 
 
-def test_actors_for_pace_uses_the_measured_pace():
-    assert actors_for_pace(0.01, 1024, 64, seeds_per_actor=SEEDS_PER_CORE / 2) == 11
+def test_actors_for_pace_defaults_to_the_measured_pace():
+    # 102,400 seeds/s at the measured pace a core.
+    assert actors_for_pace(0.01, 1024, 64) == -(-102_400 // SEEDS_PER_CORE)
 
 
 def test_csc_bytes_counts_the_structure_and_labels():
