@@ -28,7 +28,10 @@ step  file                        runs on                 output
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
   wire format, ``stream.py`` builds the Ray Data stream in one place;
   ``pick.py`` holds the sampler's kernels (numba), ``graphbolt.py`` DGL's
-  sampler behind ``--sampler graphbolt`` (the ``dgl`` extra).
+  sampler behind ``--sampler graphbolt`` (the ``dgl`` extra);
+  ``device_sampler.py`` samples in torch on the train worker's device
+  (``--sample-on device``: the stream then carries seed rows), and
+  ``pace.py`` decides where sampling runs and how many actors keep pace.
 - ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it), plus ``embedding.py`` (``--embedding-dim``)
   and ``checkpoint.py`` (written by rank 0 and, for embedding rows, by their owners; chosen by the driver).
 - ``driver/``: ``cli.py`` (exit codes) -> ``fit.py`` (resume, restarts, final

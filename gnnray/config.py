@@ -133,6 +133,11 @@ class SamplerConfig(_Options):
                                       "(bounds the object store memory that sampled batches take; auto: 16-row "
                                       "seed blocks, three per worker and three per actor, which keeps every actor "
                                       "busy; less than one per actor is refused)", **at_least(1))
+    sample_on: str = option("auto", "where training batches are sampled: actors (sampler actors on the CPU, "
+                            "batches streamed to the workers), device (each train worker samples its seed batches "
+                            "on its own device, the graph's structure held there), or auto (device where a GPU "
+                            "holds the structure and the node's cores per GPU could not keep pace; else actors)",
+                            choices=("auto", "actors", "device"))
 
     def __post_init__(self):
         object.__setattr__(self, "fanouts", Fanouts.of_value(self.fanouts))  # code may give a list of ints

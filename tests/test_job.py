@@ -69,6 +69,25 @@ def test_uneven_split_and_user_model(ray_cluster, tmp_path):
     assert summary.test_acc > 2 * (1 / 8), summary.line()
 
 
+def test_sampling_on_the_device_trains_as_the_actors_do(cora_run, tmp_path, capsys):
+    """``--sample-on device`` with the CPU as the device: no sampler actors, each worker samples its seed rows
+    itself (gnnray.pipeline.device_sampler), and cora reaches the actors' run's accuracy (the same flags)."""
+    actors, _ = cora_run
+    cora = shared_dataset("cora")
+    cfg = parse_args(["--dataset", str(cora), "--normalize-features", "--epochs", "20", "--batch-size", "32",
+                      "--fanouts", "10,10", "--hidden", "64", "--lr", "0.01", "--weight-decay", "5e-4",
+                      "--num-workers", "2", "--storage-path", str(tmp_path), "--name", "device",
+                      "--sample-on", "device", "--eval", "sampled"])
+    summary = run(cfg)
+    assert "sampling plan: on each train worker's device (--sample-on device)" in capsys.readouterr().out
+    logged = _epochs_logged(tmp_path, "device")
+    assert [m["epoch"] for m in logged] == list(range(20))
+    assert sum(m["seeds_per_s"] * m["epoch_time"] for m in logged) == pytest.approx(20 * 140, rel=1e-6)
+    # Sampled test accuracy of 1000 nodes: the two runs' draws differ, so within a few points of each other.
+    assert summary.test_acc >= 0.77 and abs(summary.test_acc - actors.metrics["test_acc_sampled"]) <= 0.04, (
+        summary.line(), actors.line())
+
+
 @pytest.mark.dgl
 def test_graphbolt_sampler_trains_where_the_dgl_extra_is_installed(ray_cluster, tmp_path):
     """``--sampler graphbolt``: the job as with gnnray's sampler, DGL's GraphBolt sampling in the actors."""

@@ -95,6 +95,7 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
 
     graph = pub.graph
     use_gpu = launch.resolve_gpu(cfg, pub.local)
+    cfg = _sampling_plan(cfg, graph, use_gpu)  # the stream and the workers follow the resolved --sample-on
     cfg = _layerwise_fits(cfg, pub, use_gpu, model_factory)
     owners = _embedding_owners(cfg, pub)
     cpu = cpu_policy(cfg, use_gpu)
@@ -192,6 +193,24 @@ def _start_train_singletons() -> None:
     get_or_create_autoscaling_coordinator()
     if env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False):  # as TorchTrainer decides it
         get_or_create_state_actor()
+
+
+def _sampling_plan(cfg: JobConfig, graph: Graph, use_gpu: bool) -> JobConfig:
+    """``cfg`` with ``--sample-on`` resolved to actors or device (:func:`gnnray.pipeline.pace.sample_on`), printed
+    where there was a choice (a GPU run, or one that named it): a CPU run's console stays as it was."""
+    from gnnray.driver import console
+    from gnnray.pipeline.pace import check_device_sampling, csc_bytes, gpu_bytes, sample_on
+
+    gpus = [n for n in preflight.nodes() if n.gpus > 0]
+    requested = cfg.sampler.sample_on
+    where, why = sample_on(requested, use_gpu, csc_bytes(graph), gpu_bytes() if use_gpu else None,
+                           min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size)
+    cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where))
+    check_device_sampling(cfg)
+    if use_gpu or requested != "auto":
+        place = "on each train worker's device" if where == "device" else "in sampler actors"
+        console.say(f"sampling plan: {place} ({why})")
+    return cfg
 
 
 def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:

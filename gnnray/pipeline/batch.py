@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
+from gnnray.errors import ConfigError
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
@@ -49,6 +51,17 @@ _COLUMN = "packed"
 def id_dtype(num_nodes: int) -> np.dtype:
     """The packing dtype for a graph of ``num_nodes`` nodes: int32 while its global ids fit."""
     return np.dtype(np.int32 if num_nodes < 2**31 else np.int64)
+
+
+def check_fits(largest: int, dtype: np.dtype, what: str = "a mini-batch's layer") -> None:
+    """Raise if ``largest`` (a count or offset about to be narrowed to ``dtype``) does not fit it.
+
+    Global ids fit :func:`id_dtype` by construction; a batch's own counts
+    (sampled edges, hence CSC offsets) do not, and a cast would wrap silently.
+    """
+    if int(largest) > np.iinfo(dtype).max:
+        raise ConfigError(f"{what} has {int(largest):,} sampled edges or nodes, more than {np.dtype(dtype).name} "
+                         f"offsets hold ({np.iinfo(dtype).max:,}); lower --batch-size or --fanouts")
 
 
 class Layer(NamedTuple):
@@ -117,18 +130,23 @@ class MiniBatch:
 
     def pack(self, dtype: np.dtype = np.int64) -> np.ndarray:
         """Encode as one flat ``dtype`` array (pass :func:`id_dtype` of the graph; see the module docstring)."""
-        return np.concatenate(self._parts(), dtype=dtype, casting="unsafe")
+        return np.concatenate(self._parts(dtype), dtype=dtype, casting="unsafe")
 
     @property
     def typed(self) -> bool:
         return bool(self.layers) and self.layers[0].etype is not None
 
-    def _parts(self) -> list[np.ndarray]:
+    def _parts(self, dtype: np.dtype) -> list[np.ndarray]:
+        """The arrays :meth:`pack` concatenates, once checked to fit ``dtype`` (ids fit it by :func:`id_dtype`;
+        the counts and offsets are checked here, O(1) a layer: offsets grow, so the last is the largest)."""
         typed = self.typed
         header = [_MAGIC_TYPED if typed else _MAGIC, self.epoch, len(self.layers), self.num_seeds,
                   int(self.input_nodes.shape[0])]
         for layer in self.layers:
             header += [layer.num_src, layer.num_dst, int(layer.indices.shape[0])]
+            check_fits(max(layer.num_src, int(layer.indices.shape[0]),
+                           int(layer.indptr[-1]) if layer.indptr.shape[0] else 0), dtype)
+        check_fits(max(header[1:]), dtype, "a mini-batch")
         parts = [np.asarray(header, dtype=np.int64), self.seeds.numpy(), self.labels.numpy(), self.input_nodes.numpy()]
         for layer in self.layers:
             parts += [layer.indptr.numpy(), layer.indices.numpy()] + ([layer.etype.numpy()] if typed else [])
@@ -167,7 +185,7 @@ def to_arrow(batches: Sequence[MiniBatch], dtype: np.dtype) -> pa.Table:
     """Pack ``batches`` into a table of one ``large_list`` row each, with one copy of their data."""
     import pyarrow as pa  # here: a train worker's step needs torch and numpy only
 
-    parts = [b._parts() for b in batches]
+    parts = [b._parts(dtype) for b in batches]
     lengths = [sum(len(p) for p in ps) for ps in parts]
     offsets = np.zeros(len(batches) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -92,7 +92,7 @@ class Sampler:
         import torch
 
         from gnnray.pipeline import pick
-        from gnnray.pipeline.batch import Layer, MiniBatch
+        from gnnray.pipeline.batch import Layer, MiniBatch, check_fits
 
         g = self._graph
         nodes = seeds_in = np.ascontiguousarray(seeds, dtype=self._dtype)
@@ -105,12 +105,12 @@ class Sampler:
             key = pick.batch_key(self._seed, epoch, batch, i)
             offsets, picked, etype = pick.sample_layer(g.indptr, g.indices, nodes, fanout, self._etype, key,
                                                        self._threads)
+            check_fits(offsets[-1], self._dtype)  # offsets are narrowed to the ids' dtype: a cast would wrap
             local = np.empty(picked.shape[0], self._dtype)
             src = np.empty(nodes.shape[0] + picked.shape[0], self._dtype)
             src = src[:pick.relabel(nodes, picked, self._table, local, src)]
             if g.typed and etype is None:
                 etype = np.empty(0, g.etype.dtype)
-            # Offsets within a batch fit the ids' dtype.
             layers.append(Layer(torch.from_numpy(offsets.astype(self._dtype)), torch.from_numpy(local),
                                 int(src.shape[0]), None if etype is None else torch.from_numpy(etype)))
             nodes = src

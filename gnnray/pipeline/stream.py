@@ -31,7 +31,9 @@ def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_e
     (a subclass that records what it samples, in tests and the benchmark);
     ``cpu`` is the job's CPU plan, which each actor applies to itself;
     ``stack`` the driver's software stack, which each actor checks. The
-    pool's size follows the workers (:func:`sampler_actors`).
+    pool's size follows the workers (:func:`sampler_actors`). With
+    ``--sample-on device`` (resolved by the driver) the stream is the seed
+    rows themselves: each worker samples them (:mod:`.device_sampler`).
 
     Raises:
         ConfigError: ``--max-ahead`` is too small for the stream (:func:`read_ahead_rows`).
@@ -42,6 +44,8 @@ def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_e
     from gnnray.pipeline.sampler import SamplerActor
     from gnnray.pipeline.seeds import block_rows, seed_dataset
 
+    if cfg.sampler.sample_on == "device":  # the workers sample on their devices: they take the seed rows
+        return seed_dataset(plan, first_epoch, cfg.train.epochs, first_step)
     actor_cls = actor_cls or SamplerActor
     actors = sampler_actors(cfg, plan.ranks)
     limit = read_ahead_rows(cfg, block_rows(plan, first_epoch, cfg.train.epochs), plan.ranks, actors[1])

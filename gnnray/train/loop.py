@@ -34,6 +34,7 @@ from gnnray.logs import quiet_console
 from gnnray.metrics import TrainMetrics
 from gnnray.pipeline.batch import MiniBatch, from_arrow
 from gnnray.pipeline.features import reader_for
+from gnnray.pipeline.device_sampler import device_batches
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.seeds import plan_key, steps_per_epoch
 from gnnray.stack import check_here
@@ -141,8 +142,6 @@ def train_loop(config: dict) -> None:
     steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.workers_max)
     if shard is None:
         shard = ray.train.get_dataset_shard("train")
-    blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
-    rows = (row for block in blocks for row in from_arrow(block))
     evaluator = Evaluator(graph, cfg, rank, world, device, embedding, reader_for(graph, setup.graph.features),
                           setup.graph, setup.stack)
     exported = TrainMetrics(cfg.run.name, rank)
@@ -153,8 +152,15 @@ def train_loop(config: dict) -> None:
                             plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers))
     saves.restarts = begin.restarts
 
+    if cfg.sampler.sample_on == "device":  # seed rows, sampled here on the device (resolved by the driver)
+        batches_in = device_batches(shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0),
+                                    graph, cfg, world, features, device)
+    else:
+        blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
+        rows = (row for block in blocks for row in from_arrow(block))
+        batches_in = Prefetcher(rows, features, device, depth=cfg.train.prefetch, embedding=embedding)
     # The embedding's rows are looked up on the prefetch thread too (counted in data_wait, as features are).
-    with Prefetcher(rows, features, device, depth=cfg.train.prefetch, embedding=embedding) as batches:
+    with batches_in as batches:
         for epoch in range(begin.epoch, cfg.train.epochs):
             # 5. Train the epoch (from the checkpoint's step if it was cut short), then evaluate (sampled, all
             # ranks together; after the last epoch also layer-wise, gnnray.train.layerwise).

@@ -269,3 +269,39 @@ def test_empty_seed_batch_gives_blocks_without_destinations(sampler, dgl_blocks)
     out = MiniBatch.unpack(torch.from_numpy(sampler.sample(np.array([], dtype=np.int64), epoch=3).pack()))
     blocks = dgl_blocks(out.layers)
     assert blocks[-1].num_dst_nodes() == 0
+
+
+def _wide_batch() -> MiniBatch:
+    """A batch whose one layer claims 2**31 sampled edges in its offsets: cheap, no edge is allocated."""
+    ids = torch.tensor([0], dtype=torch.int64)
+    layer = Layer(torch.tensor([0, 2**31], dtype=torch.int64), torch.empty(0, dtype=torch.int64), 1)
+    return MiniBatch(ids, ids, ids, [layer])
+
+
+def test_pack_refuses_offsets_beyond_int32_instead_of_wrapping():
+    from gnnray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="2,147,483,648 sampled edges.*int32.*--batch-size or --fanouts"):
+        _wide_batch().pack(np.int32)
+    with pytest.raises(ConfigError, match="int32"):
+        to_arrow([_wide_batch()], np.dtype(np.int32))
+    assert MiniBatch.unpack(torch.from_numpy(_wide_batch().pack(np.int64))).layers[0].indptr.tolist() == [0, 2**31]
+
+
+def test_sampler_refuses_a_layer_of_2_31_edges_before_narrowing(monkeypatch):
+    from gnnray.errors import ConfigError
+    from gnnray.pipeline import pick
+
+    from dataclasses import replace
+
+    graph = tiny_graph()
+    graph = replace(graph, indices=graph.indices.astype(np.int32))  # as compact_csc stores graphs below 2**31
+
+    def huge(indptr, indices, nodes, fanouts, etype, key, threads):  # the counts of a layer of 2**31 picks
+        offsets = np.zeros(nodes.shape[0] + 1, np.int64)
+        offsets[-1] = 2**31
+        return offsets, np.empty(0, indices.dtype), None
+
+    monkeypatch.setattr(pick, "sample_layer", huge)
+    with pytest.raises(ConfigError, match="2,147,483,648 sampled edges"):
+        Sampler(graph, (3, 2)).sample(SEEDS)

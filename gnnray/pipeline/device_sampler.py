@@ -1,0 +1,205 @@
+"""Stage 4 on the train worker's device (``--sample-on device``): seeds in, a sampled ``MiniBatch`` of device tensors out.
+
+The same semantics as the sampler actors' :class:`~gnnray.pipeline.sampler.Sampler`
+(GraphBolt's): each destination keeps ``min(fanout, in-degree)`` of its
+in-edges, uniformly without replacement, all with ``-1``, each relation of a
+typed graph apart with its own fanout; picked sources are numbered locally,
+the destinations first, then new ids as they first appear. The batch is the
+one :class:`~gnnray.pipeline.batch.MiniBatch` of CSC ``Layer`` s, in the same
+dtypes, its tensors on the device.
+
+Why vectorised torch and not a loop: the device runs it. Every candidate
+in-edge gets a random 32-bit key; one sort by (relation run, key) puts each
+run's edges in a uniformly random order, and the first ``k`` of a run are a
+uniform ``k``-subset. That pays for every in-edge of the layer's nodes, which
+a GPU does at memory speed, where the CPU's loop (:mod:`.pick`) pays per pick.
+Numbering uses ``torch.unique`` over the layer's ids, so no node-sized table
+is kept on the device.
+
+The graph's CSC (and labels, and relation codes) is copied to the device
+once; draws are seeded by (run seed, epoch, batch, layer) as the actors' are,
+but from torch's generator: the same distribution, not the same picks.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from gnnray.config import Fanouts, JobConfig
+from gnnray.data.graph import Graph
+from gnnray.data.typed import fanout_table
+from gnnray.pipeline.batch import Layer, MiniBatch, check_fits, id_dtype
+from gnnray.pipeline.pick import batch_key
+
+_KEY_BITS = 32  # random bits a candidate edge gets; runs are numbered in the bits above
+
+
+class DeviceSampler:
+    """Uniform neighbour sampling without replacement, in torch on ``device``.
+
+    Args:
+        graph: The graph (read-only numpy views are fine: its arrays are copied to ``device`` once).
+        fanouts: Neighbours per layer, input layer first; ``-1`` takes all (per relation on a typed graph).
+        device: Where the CSC lives and batches are sampled (a GPU, or the CPU).
+        seed: The run's seed.
+    """
+
+    def __init__(self, graph: Graph, fanouts: Union[Fanouts, Sequence[int]], device: Union[str, torch.device],
+                 seed: int = 0):
+        self.device = torch.device(device)
+        self._seed = int(seed)
+        self._num_nodes = graph.num_nodes
+        self.id_dtype = id_dtype(graph.num_nodes)
+        self._ids = torch.from_numpy(np.empty(0, graph.indices.dtype)).dtype  # sampled ids come in it
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+        self._indptr, self._indices = put(graph.indptr), put(graph.indices)
+        self._label = put(graph.label)
+        typed = graph.typed and bool(graph.edge_types)
+        self._etype = put(graph.etype).long() if typed else None  # long: it indexes the fanouts
+        self._codes = torch.from_numpy(np.empty(0, graph.etype.dtype)).dtype if graph.typed else None
+        # Per layer, output layer first: one fanout per relation code (one entry when untyped).
+        self._fanouts = [torch.tensor(f, dtype=torch.int64, device=self.device)
+                         for f in reversed(fanout_table(fanouts, graph))]
+
+    def sample(self, seeds: Union[torch.Tensor, np.ndarray], epoch: int = -1, batch: Optional[int] = None
+               ) -> MiniBatch:
+        """The blocks of ``seeds`` (unique global ids, any integer dtype, any device: moved here first).
+
+        ``batch`` numbers the batch within its epoch; without it (evaluation) the seeds' sum names it.
+        """
+        seeds = torch.as_tensor(seeds).to(self.device).to(self._ids)
+        if batch is None:
+            batch = int(seeds.long().sum()) * 0x9E3779B1 + int(seeds.shape[0])
+        nodes, layers = seeds, []
+        for i, fanout in enumerate(self._fanouts):
+            gen = torch.Generator(self.device)
+            gen.manual_seed(batch_key(self._seed, epoch, batch, i) & (2**63 - 1))
+            offsets, picked, etype = self._pick(nodes, fanout, gen)
+            check_fits(offsets[-1], np.dtype(self.id_dtype))
+            local, src = _relabel(nodes, picked)
+            layers.append(Layer(offsets.to(self._ids), local.to(self._ids), int(src.shape[0]), etype))
+            nodes = src.to(self._ids)
+        layers.reverse()
+        return MiniBatch(seeds, self._label[seeds.long()].long(), nodes, layers, epoch=epoch)
+
+    def _pick(self, nodes: torch.Tensor, fanout: torch.Tensor, gen: torch.Generator):
+        """One layer: CSC offsets (int64), the picked sources' global ids and, typed, their relation codes."""
+        dev, n = self.device, nodes.shape[0]
+        nodes = nodes.long()
+        start = self._indptr[nodes].long()
+        degree = self._indptr[nodes + 1].long() - start
+        total = int(degree.sum())
+        # Every candidate in-edge: its destination's row and its position in the CSC.
+        row = torch.repeat_interleave(torch.arange(n, device=dev), degree, output_size=total)
+        first = torch.cumsum(degree, 0) - degree
+        pos = start[row] + (torch.arange(total, device=dev) - first[row])
+        # Runs: a destination's in-edges of one relation (sorted by relation in the CSC); untyped, one per node.
+        if self._etype is None:
+            run, run_fanout = row, fanout.expand(n)
+        else:
+            code = self._etype[pos]
+            new = torch.ones(total, dtype=torch.bool, device=dev)
+            new[1:] = (row[1:] != row[:-1]) | (code[1:] != code[:-1])
+            run = torch.cumsum(new, 0) - 1
+            run_fanout = fanout[code[new]]
+        runs = int(run_fanout.shape[0])
+        size = torch.bincount(run, minlength=runs)
+        take = torch.where((run_fanout < 0) | (size <= run_fanout), size, run_fanout)
+        # Within each run, a uniformly random order (stable sort keeps runs in place), then its first `take`.
+        key = torch.randint(0, 2**_KEY_BITS, (total,), generator=gen, device=dev, dtype=torch.int64)
+        order = torch.sort((run << _KEY_BITS) | key, stable=True).indices
+        run_start = torch.cumsum(size, 0) - size
+        rank = torch.arange(total, device=dev) - run_start[run]  # runs are in place: run[order] == run
+        chosen = order[rank < take[run]]
+        picked_pos = pos[chosen]
+        counts = torch.bincount(row[chosen], minlength=n)
+        offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        etype = None
+        if self._codes is not None:  # in the graph's code dtype, as the actors' batches carry them
+            etype = (self._etype[picked_pos] if self._etype is not None
+                     else torch.empty(0, dtype=torch.int64, device=dev)).to(self._codes)
+        return offsets, self._indices[picked_pos], etype
+
+    def __repr__(self) -> str:
+        return f"DeviceSampler(device={self.device}, layers={len(self._fanouts)})"
+
+
+def _relabel(nodes: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Number ``picked`` locally: ``nodes`` (unique) are ``0..n-1``, new ids follow in order of first appearance.
+
+    Returns the picked edges' local ids and the layer's sources (global ids, numbered order).
+    """
+    n = nodes.shape[0]
+    both = torch.cat([nodes.long(), picked.long()])
+    ids, inverse = torch.unique(both, return_inverse=True)
+    where = torch.arange(both.shape[0], device=both.device)
+    first = torch.full((ids.shape[0],), both.shape[0], dtype=torch.int64, device=both.device)
+    first = first.scatter_reduce(0, inverse, where, reduce="amin")
+    order = torch.argsort(first)  # first appearances are distinct, so the order is exact
+    number = torch.empty_like(order)
+    number[order] = torch.arange(order.shape[0], device=both.device)
+    return number[inverse[n:]], ids[order]
+
+
+class DeviceBatches:
+    """A rank's seed rows as sampled mini-batches on the device, features in ``x`` (``--sample-on device``).
+
+    The seeds go to the device first, are sampled there, and the batch's
+    input features are gathered for its ``input_nodes`` and moved beside it:
+    the same batches the :class:`~gnnray.pipeline.prefetch.Prefetcher` yields
+    from the actors' stream (labels int64, features float32). Sampling is
+    queued on the device's stream ahead of the step that follows, so it
+    needs no thread of its own.
+
+    Args:
+        rows: The rank's stream rows (row numbers of ``plan``), in order.
+        plan: The run's seed plan: a row's epoch and seeds.
+        sampler: The device's sampler.
+        feat: The node features (a table, or a reader of sharded ones).
+    """
+
+    def __init__(self, rows: Iterable[int], plan, sampler: DeviceSampler, feat):
+        from gnnray.pipeline.features import FeatureReader, LocalRows
+        from gnnray.pipeline.seeds import SeedReader
+
+        self._rows, self._seeds, self._sampler = iter(rows), SeedReader(plan), sampler
+        self._feat = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
+
+    def __iter__(self) -> Iterator[MiniBatch]:
+        return self
+
+    def __next__(self) -> MiniBatch:
+        row = int(next(self._rows))
+        epoch, seeds = self._seeds.seeds(row)
+        mb = self._sampler.sample(torch.from_numpy(seeds), epoch=epoch, batch=row)
+        ids = mb.input_nodes.cpu().numpy()  # features are gathered on the host, where the table lives
+        x = np.empty((ids.shape[0], self._feat.dim), np.float32)
+        self._feat.gather(ids, x)
+        mb.x = torch.from_numpy(x).to(self._sampler.device)
+        return mb
+
+    def __enter__(self) -> "DeviceBatches":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def device_batches(blocks: Iterable[dict], graph: Graph, cfg: JobConfig, world: int, feat,
+                   device: torch.device) -> DeviceBatches:
+    """This rank's :class:`DeviceBatches` over the seed stream's ``blocks`` (numpy ``{"row": ...}`` batches), with
+    the seed plan the driver streamed and the graph's CSC moved to ``device``."""
+    from gnnray.pipeline.seeds import SeedPlan
+
+    s = cfg.sampler
+    plan = (SeedPlan.elastic(graph.train_idx, s.batch_size, cfg.train.workers_max, world, cfg.run.seed)
+            if cfg.train.elastic else SeedPlan.for_run(graph.train_idx, s.batch_size, world, cfg.run.seed))
+    rows = (row for block in blocks for row in block["row"].tolist())
+    return DeviceBatches(rows, plan, DeviceSampler(graph, s.fanouts, device, cfg.run.seed), feat)
