@@ -94,6 +94,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval="sampled"))
     owners = _embedding_owners(cfg, pub)
     cpu = cpu_policy(cfg, use_gpu)
+    console.say(feature_line(cfg, pub.handle, use_gpu))
 
     restarts = 0
     while True:
@@ -186,6 +187,18 @@ def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:
     # The line shows this node with its share of the workers; each worker plans from its own node's cores.
     console.say(policy.plan(math.ceil(cfg.train.workers_max / max(1, len(nodes)))).line())
     return policy
+
+
+def feature_line(cfg: JobConfig, handle, use_gpu: bool) -> str:
+    """Where the workers gather feature rows (``--feature-placement``), from the rows a node holds."""
+    import numpy as np
+
+    from gnnray.pipeline.placement import plan_text
+
+    sharded = handle.features
+    held = (sharded.shard_bytes + sharded.cache_bytes if sharded is not None
+            else handle.num_nodes * handle.feat_dim * np.dtype(cfg.data.feature_dtype).itemsize)
+    return plan_text(cfg.data.feature_placement, use_gpu, held)
 
 
 def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tuple] = None) -> Optional[tuple]:
