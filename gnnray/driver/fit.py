@@ -94,7 +94,9 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval="sampled"))
     owners = _embedding_owners(cfg, pub)
     cpu = cpu_policy(cfg, use_gpu)
-    console.say(feature_line(cfg, pub.handle, use_gpu))
+    placement = feature_line(cfg, pub.handle, use_gpu)
+    if placement:
+        console.say(placement)
 
     restarts = 0
     while True:
@@ -231,6 +233,8 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from gnnray.train.process_group import BoundTorchConfig
+
     from gnnray.driver.split import StartedSplit, split_by_driver
     from gnnray.pipeline.seeds import SeedPlan
     from gnnray.pipeline.stream import execution_options, minibatch_stream
@@ -255,6 +259,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"setup": setup},
+        torch_config=BoundTorchConfig(),  # no guessed GPU, no barrier warning on NCCL
         scaling_config=ray.train.ScalingConfig(
             num_workers=workers, use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
@@ -297,6 +302,8 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from gnnray.train.process_group import BoundTorchConfig
+
     from gnnray.driver.split import ElasticSplit, split_by_driver
     from gnnray.train.loop import train_loop
     from gnnray.train.report import log_event
@@ -308,6 +315,7 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"setup": setup},
+        torch_config=BoundTorchConfig(),  # no guessed GPU, no barrier warning on NCCL
         scaling_config=ray.train.ScalingConfig(
             num_workers=(cfg.train.workers_min, cfg.train.workers_max), use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},

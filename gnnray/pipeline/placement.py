@@ -45,9 +45,12 @@ def choose(asked: str, device_type: str, table_bytes: int, free_bytes: int, shar
 
 
 def plan_text(asked: str, use_gpu: bool, table_bytes: int) -> str:
-    """The driver's line on where features are gathered (each worker logs what it did)."""
+    """The driver's line on where features are gathered (each worker logs what it did); empty for a CPU run's
+    default, the host path, which needs no word."""
     mb = table_bytes / 2**20
-    if asked == "host" or (asked == "auto" and not use_gpu):
+    if asked == "auto" and not use_gpu:
+        return ""
+    if asked == "host":
         return f"features: gathered on the host ({mb:.0f} MB a node)"
     if asked == "auto":
         return (f"features: on each GPU where {mb:.0f} MB fit {DEVICE_SHARE:.0%} of its free memory, else read "
