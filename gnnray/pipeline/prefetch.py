@@ -13,6 +13,11 @@ float32), in input order.
 On CPU the same thread still does the copy and the feature gather, the costly
 parts, while the main thread computes.
 
+With features placed on the device (``placed``, :mod:`gnnray.pipeline.placement`)
+the thread gathers nothing: only the batch's structure and ids cross (plus, with
+``--feature-shards``, the rows fetched from other nodes), and the rows are
+gathered on the device, on the side stream.
+
 With learnable embeddings (``--embedding-dim``) the thread also reads the
 batch's embedding rows (``embedding.prefetch``, from the owners with
 ``--feature-shards``) and, on a GPU, copies them to the device beside the
