@@ -127,6 +127,9 @@ def place(asked: str, reader: FeatureReader, device, indptr: np.ndarray,
     if free_bytes is None:  # a CPU "device" holds the whole table
         free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else int(table / DEVICE_SHARE) + 1
     mode = choose(asked, device.type, table, free_bytes)
+    if mode == "uva" and asked == "auto" and device.type == "cuda" and isinstance(reader, LocalRows) \
+            and not _has_triton():
+        mode = "host"  # the GPU cannot read host memory without the kernel: the host gathers
     if mode == "host" or reader.dim == 0:
         return None
     budget = int(DEVICE_SHARE * free_bytes)
@@ -184,6 +187,8 @@ def _pinned(table: np.ndarray, device: torch.device) -> tuple:
     # Mapped (readable by kernels through unified addressing) and read-only: the store's pages are read-only.
     flags = _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY
     err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
+    if int(err) != 0 and hasattr(cudart, "cudaGetLastError"):
+        cudart.cudaGetLastError()  # a failed registration must not surface at torch's next kernel launch
     if int(err) == 0:
         _registered.append(t)  # never unregistered while the worker runs: kernels may still read it
         return t, ""
@@ -221,6 +226,14 @@ class _HostPointer:
 
     def data_ptr(self) -> int:
         return self._t.data_ptr()
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _uva_kernel():
