@@ -212,6 +212,8 @@ class _UvaGather:
         n, dim = ids.shape[0], self._host.shape[1]
         out = torch.empty((n, dim), dtype=torch.float32, device=ids.device)
         if n:
+            if not cached.shape[0]:  # no cache: a row the kernel never reads, so that its pointer is a real one
+                cached = torch.zeros((1, dim), dtype=self._host.dtype, device=ids.device)
             block = min(1024, max(16, 1 << (dim - 1).bit_length()))
             self._kernel[(n,)](_HostPointer(self._host), cached, slot, ids, out, dim, BLOCK=block)
         return out
