@@ -81,6 +81,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
     import ray.train
 
     from gnnray.driver import console
+    from gnnray.pipeline.placement import feature_line
     from gnnray.train import checkpoint
     from gnnray.train.setup import WorkerSetup
 
@@ -94,7 +95,7 @@ def run(cfg: JobConfig, model_factory: Optional[ModelFactory] = None) -> Summary
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval="sampled"))
     owners = _embedding_owners(cfg, pub)
     cpu = cpu_policy(cfg, use_gpu)
-    placement = feature_line(cfg, pub.handle, use_gpu)
+    placement = feature_line(cfg, pub.handle, use_gpu)  # where workers gather features (--feature-placement)
     if placement:
         console.say(placement)
 
@@ -189,18 +190,6 @@ def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:
     # The line shows this node with its share of the workers; each worker plans from its own node's cores.
     console.say(policy.plan(math.ceil(cfg.train.workers_max / max(1, len(nodes)))).line())
     return policy
-
-
-def feature_line(cfg: JobConfig, handle, use_gpu: bool) -> str:
-    """Where the workers gather feature rows (``--feature-placement``), from the rows a node holds."""
-    import numpy as np
-
-    from gnnray.pipeline.placement import plan_text
-
-    sharded = handle.features
-    held = (sharded.shard_bytes + sharded.cache_bytes if sharded is not None
-            else handle.num_nodes * handle.feat_dim * np.dtype(cfg.data.feature_dtype).itemsize)
-    return plan_text(cfg.data.feature_placement, use_gpu, held)
 
 
 def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tuple] = None) -> Optional[tuple]:

@@ -60,6 +60,14 @@ def plan_text(asked: str, use_gpu: bool, table_bytes: int) -> str:
     return f"features: read by the device from pinned host memory ({mb:.0f} MB a node), hottest rows cached there"
 
 
+def feature_line(cfg, handle, use_gpu: bool) -> str:
+    """:func:`plan_text` for a job (``JobConfig``) and its graph (``GraphHandle``): the rows a node holds."""
+    sharded = handle.features
+    held = (sharded.shard_bytes + sharded.cache_bytes if sharded is not None
+            else handle.num_nodes * handle.feat_dim * np.dtype(cfg.data.feature_dtype).itemsize)
+    return plan_text(cfg.data.feature_placement, use_gpu, held)
+
+
 @dataclass
 class HostRows:
     """Rows of a batch that the host supplies (fetched from other nodes, or a sharded node's own rows under
