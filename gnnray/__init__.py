@@ -13,6 +13,7 @@ step  file                        runs on                 output
 4     ``pipeline/sampler.py``     sampler actors          packed ``MiniBatch`` rows (``pipeline/batch.py``)
 5     ``pipeline/prefetch.py``    train worker thread     ``MiniBatch`` with features, on the device
       ``pipeline/features.py``    train worker thread     its rows: local, cached or fetched from shards
+      ``pipeline/placement.py``   train worker            or gathered on the device (``--feature-placement``)
 6     ``train/model.py``          train worker            logits (``train/conv.py``: message passing in torch)
 7     ``train/step.py``           train worker            loss, optimizer step; ``train/loop.py`` runs it, then
                                                           ``train/evaluate.py`` and ``train/layerwise.py``,

@@ -98,6 +98,12 @@ class DataConfig(_Options):
                                   metavar="FRACTION", check=lambda v: 0.0 <= v <= 1.0, need="must be in [0, 1]")
     feature_dtype: str = option("float32", "storage type of the features (the model computes in float32); "
                                 "float16 halves their memory and network bytes", choices=("float32", "float16"))
+    feature_placement: str = option("auto", "where a train worker gathers feature rows: device (the node's table, or "
+                                    "its shards and the cache, copied once to the GPU), uva (read by the GPU from "
+                                    "pinned host memory, the hottest rows cached on the GPU), host (gathered by the "
+                                    "prefetch thread and copied per batch); auto: device where the table fits half "
+                                    "the GPU's free memory, else uva, and host on CPU workers",
+                                    choices=("auto", "device", "uva", "host"))
     feature_timeout: float = option(60.0, "seconds a remote feature fetch may take before the attempt fails "
                                     "(naming the shard's node)", metavar="SECONDS", **POSITIVE)
     synthetic_nodes: int = option(20_000, "nodes of the synthetic graph (papers of synthetic-hetero)", **at_least(10))

@@ -29,7 +29,7 @@ def test_gpu_bench_smoke_runs_every_row(tmp_path):
     result = json.loads(out.read_text())
     layerwise = {f"layerwise {m}" for m in MODELS if not m.startswith("r")}  # the untyped models
     want = {f"model {m}" for m in MODELS} | layerwise | {"prefetch float32", "prefetch float16", "ddp step",
-                                                          "syncs embedding", "syncs rgat"}
+                                                          "syncs embedding", "syncs rgat", "syncs placed"}
     assert set(result["rows"]) == want
     failed = {k: r.get("error") for k, r in result["rows"].items() if r["status"] != "ok"}
     assert not failed, failed

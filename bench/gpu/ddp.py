@@ -23,7 +23,7 @@ def _ddp_rank(rank: int, world: int, port: int, device_type: str, z: dict, out: 
     if cuda:
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, device_id=dev if cuda else None)
     try:
         torch.manual_seed(0)  # the same initial weights on every rank
         model = build("sage", z)
@@ -48,7 +48,7 @@ def _ddp_rank(rank: int, world: int, port: int, device_type: str, z: dict, out: 
             dist.all_gather_object(pids, os.getpid())
             if rank == 0:
                 result["gpus_of_rank"] = _gpus_of(pids)
-            dist.barrier()
+            dist.barrier(device_ids=[dev.index])
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:

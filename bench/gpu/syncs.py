@@ -1,4 +1,5 @@
-"""Host syncs of the step's two collectives, on one device: ``bench.gpu``'s rows ``syncs embedding`` and ``syncs rgat``.
+"""Host syncs of the step's two collectives, on one device: ``bench.gpu``'s rows ``syncs embedding`` and ``syncs rgat``;
+and ``syncs placed``: the step fed with features gathered on the device (``--feature-placement``), none expected.
 
 Both run under a one-rank process group (NCCL on CUDA, gloo on the CPU), so the
 code takes its multi-rank path on one GPU; the collectives then move nothing,
@@ -100,6 +101,50 @@ def embedding_row(dev: torch.device, z: dict) -> dict:
                                                         and (dev.type != "cuda" or syncs <= 1)))
 
 
+def placed_row(dev: torch.device, z: dict) -> dict:
+    """Host syncs and time per ``train_epoch`` step fed by the ``Prefetcher`` with features on the device
+    (``--feature-placement device``, then ``uva`` with half the table cached): per step only ids cross, and
+    nothing may read back."""
+    import time
+
+    from bench.gpu import batches
+    from gnnray.pipeline.features import LocalRows
+    from gnnray.pipeline.placement import place
+    from gnnray.pipeline.prefetch import Prefetcher
+    from gnnray.train.step import train_epoch
+
+    rows, feat = batches.synthetic_rows(np.random.default_rng(4), 2 * STEPS, z["batch"], z["fanouts"], z["classes"],
+                                    z["in_feats"])
+    indptr = np.arange(feat.shape[0] + 1)  # in-degree 1 everywhere: the cache takes the lowest ids
+    out = {}
+    for mode in ("device", "uva"):
+        try:
+            placed = place(mode, LocalRows(feat), dev, indptr, free_bytes=feat.nbytes)
+        except RuntimeError as exc:  # uva without Triton
+            out[mode] = dict(error=str(exc))
+            continue
+        torch.manual_seed(0)
+        model = batches.build("sage", z).to(dev)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        seconds = {}
+
+        def epoch(steps: int) -> dict:
+            with Prefetcher(rows[:steps], feat, dev, depth=2, placed=placed) as prepared:
+                t = time.perf_counter()
+                result = train_epoch(model, optimizer, prepared, steps, z["classes"], dev)
+                seconds[steps] = time.perf_counter() - t
+                return result
+
+        epoch(STEPS)  # warm-up
+        syncs = (count_syncs(lambda: epoch(2 * STEPS)) - count_syncs(lambda: epoch(STEPS))) / STEPS
+        loss = epoch(2 * STEPS)["loss"]
+        out[mode] = dict(host_syncs_per_step=syncs if dev.type == "cuda" else None,
+                         step_s=seconds[2 * STEPS] / (2 * STEPS), loss=loss, rows_on_device=placed.resident_rows)
+    ok = [r for r in out.values() if "error" not in r]
+    return dict(out, met=bool(ok) and all(np.isfinite(r["loss"]) and (dev.type != "cuda" or r["host_syncs_per_step"]
+                                                                      == 0) for r in ok))
+
+
 def rgat_row(dev: torch.device, z: dict) -> dict:
     """rgat's steps with synchronised BatchNorms, and one BatchNorm call of gnnray's against torch's."""
     import torch.distributed as dist
@@ -163,7 +208,8 @@ def _synced_norms():
 
 def jobs(dev: torch.device, z: dict) -> list:
     """``bench.gpu``'s rows of this module: (name, function) pairs."""
-    return [("syncs embedding", lambda: embedding_row(dev, z)), ("syncs rgat", lambda: rgat_row(dev, z))]
+    return [("syncs embedding", lambda: embedding_row(dev, z)), ("syncs rgat", lambda: rgat_row(dev, z)),
+            ("syncs placed", lambda: placed_row(dev, z))]
 
 
 def text(name: str, r: dict, device: str) -> str:
@@ -171,6 +217,10 @@ def text(name: str, r: dict, device: str) -> str:
     def n(v) -> str:
         return "n/a (no CUDA)" if v is None else f"{v:g}"
 
+    if name == "syncs placed":
+        return "; ".join(f"features on the device ({mode}): " + (r["error"] if "error" in r else
+                         f"{n(r['host_syncs_per_step'])} host syncs/step, {1000 * r['step_s']:.2f} ms/step")
+                         for mode, r in r.items() if mode in ("device", "uva"))
     if name == "syncs embedding":
         return (f"--embedding-dim {EMBEDDING_DIM}: {n(r['host_syncs_per_step'])} host syncs/step (1 by design: the "
                 f"reduced gradient to the host table), {1000 * r['step_s']:.2f} ms/step on {device}, "

@@ -60,6 +60,9 @@ RAY_WORKER_NOISE = (
     # The raylet's notice to every driver that more worker processes start at once than the node has cores:
     # gnnray starts its train workers and sampler actors together on purpose.
     r"PYTHON worker processes have been started on node",
+    # Ray Train's placement-group cleaner asks the state API, which the dashboard serves, whether the controller
+    # lives, every second: where the cluster has no dashboard ("dashboard off" on the cluster line) it never can.
+    r"Failed to query Ray Train Controller actor state",
 )
 
 

@@ -90,6 +90,7 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
     import ray.train
 
     from gnnray.driver import console
+    from gnnray.pipeline.placement import feature_line
     from gnnray.train import checkpoint
     from gnnray.train.setup import WorkerSetup
 
@@ -99,6 +100,9 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
     cfg = _layerwise_fits(cfg, pub, use_gpu, model_factory)
     owners = _embedding_owners(cfg, pub)
     cpu = cpu_policy(cfg, use_gpu)
+    placement = feature_line(cfg, pub.handle, use_gpu)  # where workers gather features (--feature-placement)
+    if placement:
+        console.say(placement)
 
     restarts = 0
     while True:
@@ -257,6 +261,8 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from gnnray.train.process_group import BoundTorchConfig
+
     from gnnray.driver.split import StartedSplit, split_by_driver
     from gnnray.pipeline.seeds import SeedPlan
     from gnnray.pipeline.stream import execution_options, minibatch_stream
@@ -281,6 +287,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"setup": setup},
+        torch_config=BoundTorchConfig(),  # no guessed GPU, no barrier warning on NCCL
         scaling_config=ray.train.ScalingConfig(
             num_workers=workers, use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
@@ -323,6 +330,8 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from gnnray.train.process_group import BoundTorchConfig
+
     from gnnray.driver.split import ElasticSplit, split_by_driver
     from gnnray.train.loop import train_loop
     from gnnray.train.report import log_event
@@ -334,6 +343,7 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"setup": setup},
+        torch_config=BoundTorchConfig(),  # no guessed GPU, no barrier warning on NCCL
         scaling_config=ray.train.ScalingConfig(
             num_workers=(cfg.train.workers_min, cfg.train.workers_max), use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},

@@ -50,8 +50,6 @@ def init_ray(cfg: JobConfig) -> bool:
     from gnnray.logs import drop_records
 
     expected = preflight.check_driver(cfg.sampler.backend)  # before Ray starts: a missing pin fails at once
-    # The dashboard's Train view lists only runs whose driver tracks Train state.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     # Ray Train's controller takes one report per worker per poll (2 s by default), and a worker's report waits
     # for the previous one to be taken: short epochs would each last a poll (docs/performance.md#time-between-epochs).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.05")
@@ -83,10 +81,50 @@ def init_ray(cfg: JobConfig) -> bool:
     ray.data.DataContext.get_current().enable_progress_bars = cfg.run.verbose and sys.stdout.isatty()
     cluster = preflight.nodes()
     checked = preflight.check_versions(cluster, expected)
+    dashboard = track_train_state()
     if started is not None:
-        console.say(console.cluster_line(local, started.address_info["gcs_address"], started.dashboard_url,
+        console.say(console.cluster_line(local, started.address_info["gcs_address"], dashboard,
                                          len(cluster), checked, expected))
     return local
+
+
+# Whether this process set RAY_TRAIN_ENABLE_STATE_TRACKING (then a later cluster decides it again).
+_own_tracking: list = [False]
+TRACKING = "RAY_TRAIN_ENABLE_STATE_TRACKING"
+
+
+def track_train_state() -> str:
+    """Turn on Ray Train's state tracking (the dashboard's Train view) only where the dashboard answers, and
+    return its address ("" where none does).
+
+    The state API is served by the dashboard: without it, tracking fails in
+    Ray Train's state actor with a traceback. A value the user set is kept.
+    """
+    import ray
+
+    url = ray._private.worker.get_dashboard_url() or ""
+    answers = bool(url) and _answers(url)
+    if TRACKING not in os.environ or _own_tracking[0]:
+        _own_tracking[0] = True
+        if answers:
+            os.environ[TRACKING] = "1"
+        else:
+            os.environ.pop(TRACKING, None)
+    return url if answers else ""
+
+
+def _answers(url: str) -> bool:
+    """Whether the dashboard at ``url`` (host:port) answers an HTTP request within 2 s."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{url}/api/version", timeout=2):
+            return True
+    except urllib.error.HTTPError:  # it answered, with an error: it is up
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 # The RAY_ADDRESS this process set for its local cluster (see _start_local).

@@ -94,10 +94,10 @@ class LocalRows(FeatureReader):
 
     def __init__(self, feat: np.ndarray):
         super().__init__()
-        self._feat, self.dim, self.dtype = feat, int(feat.shape[1]), np.dtype(feat.dtype)
+        self.table, self.dim, self.dtype = feat, int(feat.shape[1]), np.dtype(feat.dtype)
 
     def gather(self, ids, out):
-        take_rows(self._feat, ids, out)
+        take_rows(self.table, ids, out)
         s = self._stats
         s.batches, s.rows, s.local_rows = s.batches + 1, s.rows + len(ids), s.local_rows + len(ids)
 
@@ -111,7 +111,7 @@ class ShardedRows(FeatureReader):
         from gnnray.data.store import write_protected
 
         super().__init__()
-        self._h, self.dim, self.dtype = handle, handle.dim, np.dtype(handle.dtype)
+        self._h, self.dim, self.dtype, self.num_rows = handle, handle.dim, np.dtype(handle.dtype), handle.num_rows
         self._starts = np.array([s.lo for s in handle.shards], dtype=np.int64)
         node = ray.get_runtime_context().get_node_id()
         # A shard on this node is a zero-copy read; no process ever gets another node's shard (the whole of it
@@ -123,12 +123,31 @@ class ShardedRows(FeatureReader):
             cache = ray.get(handle.cache[0])  # pulled to this node once; later processes here read that copy
             self._slot, self._cached = write_protected(cache["slot"]), write_protected(cache["rows"])
 
+    def resident(self) -> list:
+        """``(ids, rows)`` of the rows held on this node: the cache first, then each local shard."""
+        out = []
+        if self._slot is not None:
+            ids = np.flatnonzero(self._slot >= 0)
+            out.append((ids, self._cached[self._slot[ids]]))
+        for k, rows in self._local.items():
+            out.append((np.arange(self._h.shards[k].lo, self._h.shards[k].hi, dtype=np.int64), rows))
+        return out
+
     def gather(self, ids, out):
-        ids = np.asarray(ids)
+        self._gather(np.asarray(ids), out)
+
+    def remote(self, ids: np.ndarray, local: bool = False) -> tuple:
+        """``(pos, rows)``: the rows of ``ids`` fetched from other nodes (with ``local``, also this node's shards'
+        rows; never the cache's), ``rows`` compact and as stored: what a device holding the rest lacks."""
+        return self._gather(np.asarray(ids), None, local)
+
+    def _gather(self, ids: np.ndarray, out: Optional[np.ndarray], local_too: bool = True):
+        """Into ``out`` (all rows), or with ``out=None`` only the remote (and, ``local_too``, local) rows,
+        returned compact with their positions."""
         s, n = self._stats, len(ids)
         if self.dim == 0:  # no features (--embedding-dim alone): nothing to fetch
             s.batches, s.rows = s.batches + 1, s.rows + n
-            return
+            return (np.zeros(0, np.int64), np.zeros((0, 0), self.dtype)) if out is None else None
         hit = self._slot[ids] >= 0 if self._slot is not None else None
         order, at = route(self._starts, ids, hit)
         calls, local = [], []
@@ -139,14 +158,24 @@ class ShardedRows(FeatureReader):
             elif pos.size:
                 calls.append((shard, pos, shard.server.gather.remote(ids[pos] - shard.lo)))
         cached = order[at[-1]:]
-        if cached.size:
+        where = None
+        if out is None:  # compact: the remote rows (and local ones if asked), in the order of `taken`
+            taken = [p for _, p, _ in calls] + ([p for _, p in local] if local_too else [])
+            pos_all = np.concatenate(taken) if taken else np.zeros(0, np.int64)
+            out = np.empty((pos_all.size, self.dim), dtype=self.dtype)
+            where = np.full(n, -1, dtype=np.int64)
+            where[pos_all] = np.arange(pos_all.size)
+        if cached.size and where is None:
             take_rows(self._cached, self._slot[ids[cached]], out, rows=cached)
         for k, pos in local:
-            take_rows(self._local[k], ids[pos] - self._h.shards[k].lo, out, rows=pos)
+            if where is None or local_too:
+                take_rows(self._local[k], ids[pos] - self._h.shards[k].lo, out,
+                          rows=pos if where is None else where[pos])
         start = time.perf_counter()
 
         def put(i, rows):  # each shard's rows as they arrive, while the others are still on the way
-            out[calls[i][1]] = rows
+            pos = calls[i][1]
+            out[pos if where is None else where[pos]] = rows
             s.remote_bytes += rows.nbytes
 
         # One deadline for all the calls, waited for together; a failure names its shard and node.
@@ -156,6 +185,7 @@ class ShardedRows(FeatureReader):
         s.cached_rows += int(cached.size)
         s.local_rows += sum(int(p.size) for _, p in local)
         s.remote_rows += sum(int(p.size) for _, p, _ in calls)
+        return None if where is None else (pos_all.astype(np.int64), out)
 
 
 def reader_for(graph: Graph, features: Optional[ShardedFeatures]) -> FeatureReader:

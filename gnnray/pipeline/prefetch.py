@@ -13,6 +13,11 @@ float32), in input order.
 On CPU the same thread still does the copy and the feature gather, the costly
 parts, while the main thread computes.
 
+With features placed on the device (``placed``, :mod:`gnnray.pipeline.placement`)
+the thread gathers nothing: only the batch's structure and ids cross (plus, with
+``--feature-shards``, the rows fetched from other nodes), and the rows are
+gathered on the device, on the side stream.
+
 With learnable embeddings (``--embedding-dim``) the thread also reads the
 batch's embedding rows (``embedding.prefetch``, from the owners with
 ``--feature-shards``) and, on a GPU, copies them to the device beside the
@@ -56,6 +61,7 @@ class HostSlot:
         self._ids = torch.empty(0, dtype=torch.int64)
         self._feat = torch.empty(0, dtype=torch.float32)
         self._rows = torch.empty(0, dtype=torch.float32)  # embedding rows on their way to the GPU
+        self._pos = torch.empty(0, dtype=torch.int64)  # positions of host-supplied rows (placed features)
         self.copied: Optional[torch.cuda.Event] = None  # set once a copy from this slot is queued
 
     def _grow(self, buf: torch.Tensor, numel: int, dtype: np.dtype) -> torch.Tensor:
@@ -67,6 +73,13 @@ class HostSlot:
     def ids(self, n: int, dtype: np.dtype) -> torch.Tensor:
         self._ids = self._grow(self._ids, n, np.dtype(dtype))
         return self._ids[:n]
+
+    def pos(self, pos: np.ndarray) -> torch.Tensor:
+        """A copy of int64 ``pos`` in this slot's reused buffer."""
+        self._pos = self._grow(self._pos, pos.shape[0], np.dtype(np.int64))
+        out = self._pos[: pos.shape[0]]
+        out.numpy()[:] = pos
+        return out
 
     def feat(self, rows: int, dim: int, dtype: np.dtype = np.dtype(np.float32)) -> torch.Tensor:
         self._feat = self._grow(self._feat, rows * dim, np.dtype(dtype))
@@ -104,11 +117,13 @@ class Prefetcher:
         depth: Batches prepared ahead of the consumer.
         embedding: The job's learnable embedding (``train.embedding.EmbeddingTable``), if any: its rows are
             looked up here and appended to each batch's ``x``, which is then the model's whole input.
+        placed: Features held on the device (:func:`gnnray.pipeline.placement.place`): then only the ids (and
+            rows the host alone has, fetched from other nodes) cross, and the rows are gathered there.
     """
 
     def __init__(self, rows: Iterable[np.ndarray], feat: Union[np.ndarray, FeatureReader], device: torch.device,
-                 depth: int = 2, embedding=None):
-        self._embedding = embedding
+                 depth: int = 2, embedding=None, placed=None):
+        self._embedding, self._placed = embedding, placed
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
         if self._cuda and self._device.index is None:  # the caller's current GPU, named: the thread sets it
@@ -203,14 +218,29 @@ class Prefetcher:
         ids = slot.ids(packed.shape[0], packed.dtype)
         ids.numpy()[:] = packed  # rows arrive as read-only views; this is the one copy
         mb = MiniBatch.unpack(ids)
-        mb.x = slot.gather(self._feat, mb.input_nodes.numpy(), stored=self._cuda)
+        host = None
+        if self._placed is None:
+            mb.x = slot.gather(self._feat, mb.input_nodes.numpy(), stored=self._cuda)
+        else:  # gathered on the device; the host supplies only the rows it alone has (from other nodes)
+            host = self._placed.host_rows(mb.input_nodes.numpy())
+            if host is not None:
+                rows_in = slot.feat(host.rows.shape[0], self._placed.dim, host.rows.dtype)
+                rows_in.numpy()[:] = host.rows
+                host = (slot.pos(host.pos), rows_in)
         lookup = self._embedding.prefetch(mb.input_nodes.numpy()) if self._embedding is not None else None
         if not self._cuda:
-            return mb.to("cpu"), None, lookup  # labels int64 (a few bytes); the rest stays as it is
+            mb = mb.to("cpu")  # labels int64 (a few bytes); the rest stays as it is
+            if self._placed is not None:
+                mb.x = self._placed.gather(mb.input_nodes, host)
+            return mb, None, lookup
         rows = slot.rows(lookup.rows) if lookup is not None else None
         with torch.cuda.stream(self._stream):
             mb = mb.to(self._device, non_blocking=True)
-            mb.x = mb.x.float()  # float16 crossed as such; widened here, on the side stream
+            if self._placed is not None:
+                host = None if host is None else tuple(t.to(self._device, non_blocking=True) for t in host)
+                mb.x = self._placed.gather(mb.input_nodes, host)
+            else:
+                mb.x = mb.x.float()  # float16 crossed as such; widened here, on the side stream
             if lookup is not None:
                 lookup.device_rows = rows.to(self._device, non_blocking=True)
             slot.copied = torch.cuda.Event()

@@ -35,6 +35,7 @@ from gnnray.metrics import TrainMetrics
 from gnnray.pipeline.batch import MiniBatch, from_arrow
 from gnnray.pipeline.features import reader_for
 from gnnray.pipeline.device_sampler import device_batches
+from gnnray.pipeline.placement import place
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.seeds import plan_key, steps_per_epoch
 from gnnray.stack import check_here
@@ -45,7 +46,7 @@ from gnnray.train.layerwise import EmbeddingRows, infer, supports_layerwise
 from gnnray.train.model import model_for
 from gnnray.train.report import PrivateMemory, Progress, events, log_event, report, report_position, saved_config
 from gnnray.train.setup import WorkerSetup
-from gnnray.train.step import train_epoch
+from gnnray.train.step import seed_dropout, train_epoch
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def train_loop(config: dict) -> None:
     device = ray.train.torch.get_device()
     # Threads and cores before the first parallel region (the plan's other parts came with the process).
     cpu_used = setup.cpu.apply_trainer(ctx.get_local_rank(), ctx.get_local_world_size()) if setup.cpu else {}
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank (dropout: seed_dropout, per epoch)
 
     # 1. The node-shared graph and its features (sharded or not), the model and, with --embedding-dim, the
     # node embeddings.
@@ -151,6 +152,9 @@ def train_loop(config: dict) -> None:
     saves = StepCheckpoints(cfg, rank, world, model, optimizer, embedding, config_saved, schedule, setup.run_dir,
                             plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers))
     saves.restarts = begin.restarts
+    # After the model: what a table on the device may take is measured with the model there.
+    placed = place(cfg.data.feature_placement, features, device, graph.indptr)
+    _log_placement(placed, rank, setup.run_dir)
 
     if cfg.sampler.sample_on == "device":  # seed rows, sampled here on the device (resolved by the driver)
         batches_in = device_batches(shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0),
@@ -158,13 +162,14 @@ def train_loop(config: dict) -> None:
     else:
         blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
         rows = (row for block in blocks for row in from_arrow(block))
-        batches_in = Prefetcher(rows, features, device, depth=cfg.train.prefetch, embedding=embedding)
+        batches_in = Prefetcher(rows, features, device, depth=cfg.train.prefetch, embedding=embedding, placed=placed)
     # The embedding's rows are looked up on the prefetch thread too (counted in data_wait, as features are).
     with batches_in as batches:
         for epoch in range(begin.epoch, cfg.train.epochs):
             # 5. Train the epoch (from the checkpoint's step if it was cut short), then evaluate (sampled, all
             # ranks together; after the last epoch also layer-wise, gnnray.train.layerwise).
             done = begin.step if epoch == begin.epoch else 0
+            seed_dropout(cfg.run.seed, rank, epoch, done)
             fetched = features.stats()
             saves.best_val = best_val
 
@@ -197,6 +202,17 @@ def train_loop(config: dict) -> None:
             save = saves.at_epoch_end(last)
             report(metrics, model, optimizer, rank, setup.run_dir, embedding, config_saved if save else None, save)
             saves.epoch_ended(save, time.monotonic() - started)
+
+
+def _log_placement(placed, rank: int, run_dir: Optional[str]) -> None:
+    """Where this rank gathers features: in its worker log, and rank 0's in the run's event log."""
+    import logging
+
+    what = dict(placement="host") if placed is None else dict(placement=placed.mode, resident_rows=placed.resident_rows,
+                                                              note=placed.note)
+    logging.getLogger(__name__).info("rank %d features: %s", rank, what)
+    if rank == 0 and run_dir:
+        log_event(run_dir, "features", **what)
 
 
 def final_layerwise(model, graph, setup: WorkerSetup, embedding, device, rank: int, world: int,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +80,13 @@ def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_
     return dict(loss=loss_sum / all_seeds if all_seeds else 0.0, train_acc=correct / all_seeds if all_seeds else 0.0,
                 epoch_time=elapsed, seeds_per_s=all_seeds / elapsed if elapsed else 0.0,
                 data_wait=wait_share / ranks)
+
+
+def seed_dropout(seed: int, rank: int, epoch: int, step: int = 0) -> None:
+    """Seed torch's generators (dropout's draws) for ``rank``'s ``epoch`` from ``step`` on: ranks draw different
+    masks, each epoch its own, and a restart from a checkpoint draws afresh rather than replaying the first steps'
+    masks. Called after the model is built, whose weights come from the run seed alone (the same on every rank)."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, rank, epoch, step]).generate_state(1, np.uint64)[0] >> 1))
 
 
 def _all_reduce(t: torch.Tensor) -> None:

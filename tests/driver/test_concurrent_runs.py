@@ -22,7 +22,8 @@ from drills import REPO, SMALL
 from gnnray.cpus import node_cpus
 
 # What a run prints (gnnray's own lines); anything else on its console is Ray's.
-OWN_LINE = re.compile(r"^(ray: |graph |cpu plan: |sampling plan: |epoch=\d+ |layer-wise inference: |best_val_acc=)")
+OWN_LINE = re.compile(r"^(ray: |graph |cpu plan: |sampling plan: |features: |epoch=\d+ |layer-wise inference: |"
+                      r"best_val_acc=)")
 CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray \S+, torch \S+, numpy \S+, numba \S+, gnnray src-\w+ on "
                           r"every node\), dashboard (\S+)$")
 

@@ -115,3 +115,31 @@ def test_no_host_sync_per_step_on_cuda():
 
     syncs(2)  # warm-up: Adam's state, the allocator
     assert syncs(8) == syncs(4)
+
+
+def _masks(seed: int, rank: int, epoch: int, step: int = 0) -> torch.Tensor:
+    """The model's initial weights (from the run seed, as the loop builds them) and a dropout mask drawn after
+    ``seed_dropout``."""
+    from gnnray.train.conv import Dropout
+    from gnnray.train.step import seed_dropout
+
+    torch.manual_seed(seed)
+    weights = torch.nn.Linear(8, 8).weight.detach().clone()
+    seed_dropout(seed, rank, epoch, step)
+    return weights, Dropout(0.5).train()(torch.ones(4096)) > 0
+
+
+def test_ranks_draw_their_own_dropout_masks_each_epoch():
+    w0, rank0 = _masks(7, 0, 0)
+    w1, rank1 = _masks(7, 1, 0)
+    assert torch.equal(w0, w1)  # identical initial weights on every rank
+    assert not torch.equal(rank0, rank1)
+    assert not torch.equal(rank0, _masks(7, 0, 1)[1])  # folded with the epoch
+    assert not torch.equal(rank0, _masks(7, 0, 0, step=5)[1])  # a restart mid-epoch does not replay the start
+    assert not torch.equal(rank0, _masks(8, 0, 0)[1])
+    assert torch.equal(rank0, _masks(7, 0, 0)[1])  # and reproducible
+    from gnnray.train.conv import Dropout
+
+    torch.manual_seed(7)  # what every rank drew from before: the run seed's stream
+    torch.nn.Linear(8, 8)
+    assert not torch.equal(rank0, Dropout(0.5).train()(torch.ones(4096)) > 0)

@@ -1,0 +1,150 @@
+"""The job's steady step against the ceiling, per ``--feature-placement``: ``python -m bench.gpu.placements``.
+
+For each graph (arxiv structure with 128 random features, fanouts 10,10,10; the
+products-shaped synthetic graph, fanouts 15,10,5) and each placement (host,
+device, uva), a whole Ray job (``jobs/train_arxiv.py``, one train worker) runs
+and its steady step is read from ``metrics.jsonl`` (median over the epochs after
+the first: epoch time / steps), beside its ``data_wait`` (median). The ceiling,
+measured in the same call on the same device: model + loss + Adam
+(``train_epoch``) over batches drawn by gnnray's sampler from the same graph,
+each batch and its features already on the device; median of the passes after
+the first. Printed side by side, with the ratio; every number also goes to
+``--json``.
+
+On a GPU machine (the lent ones): ``python -m bench.gpu.placements --arxiv ../shared/datasets/arxiv-structure``.
+``--smoke`` runs tiny sizes on the CPU (a check by hand that it runs, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PLACEMENTS = ("host", "device", "uva")
+COMMON = ["--batch-size", "1024", "--hidden", "256", "--num-workers", "1", "--eval", "sampled"]
+
+
+def graphs(arxiv: str, smoke: bool) -> dict:
+    """name -> the job's graph options (the issue's sizes, or tiny ones with ``smoke``)."""
+    if smoke:
+        return {"synthetic-smoke": ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim",
+                                    "16", "--fanouts", "5,5", "--batch-size", "64", "--hidden", "16"]}
+    return {
+        "arxiv-structure": ["--dataset", arxiv, "--random-features", "128", "--fanouts", "10,10,10"],
+        "products-shaped": ["--dataset", "synthetic", "--synthetic-nodes", "1000000", "--synthetic-avg-degree", "50",
+                            "--synthetic-feat-dim", "100", "--synthetic-classes", "47", "--fanouts", "15,10,5"],
+    }
+
+
+def job(options: list, placement: str, use_gpu: bool, epochs: int, actors: int, steps: int, timeout_s: float) -> dict:
+    """One job's steady step (s) and data_wait, from its metrics.jsonl (``steps``: an epoch's)."""
+    with tempfile.TemporaryDirectory() as runs:
+        cmd = [sys.executable, "jobs/train_arxiv.py", *COMMON, *options, "--feature-placement", placement,
+               "--use-gpu", "yes" if use_gpu else "no", "--epochs", str(epochs),
+               "--sampler-actors", f"{actors},{actors}", "--storage-path", runs, "--name", "bench"]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode:
+            raise RuntimeError(f"job failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+        rows = [json.loads(line) for line in open(os.path.join(runs, "bench", "metrics.jsonl"))]
+        events = [json.loads(line) for line in open(os.path.join(runs, "bench", "workers.jsonl"))]
+    steady = rows[1:] or rows
+    placed = [e for e in events if e["event"] == "features"]
+    return dict(step_s=statistics.median(r["epoch_time"] for r in steady) / steps,
+                data_wait=statistics.median(r["data_wait"] for r in steady),
+                did=placed[-1] if placed else None, console=done.stdout.splitlines()[:6])
+
+
+def ceiling(options: list, dev: torch.device, batches: int, passes: int = 3) -> dict:
+    """model + loss + Adam over ``batches`` sampled batches already on ``dev``: seconds a step (median pass after
+    the first)."""
+    from gnnray.config import parse_args
+    from gnnray.data.load import load_graph
+    from gnnray.pipeline.sampler import make_sampler
+    from gnnray.pipeline.seeds import steps_per_epoch
+    from gnnray.train.model import model_for
+    from gnnray.train.step import train_epoch
+
+    cfg = parse_args([*COMMON, *options])
+    graph = load_graph(cfg.data, cfg.run.seed)
+    sampler = make_sampler(graph, cfg.sampler.fanouts, seed=0)
+    rng = np.random.default_rng(0)
+    on_device = []
+    for _ in range(batches):
+        seeds = rng.choice(graph.train_idx, min(cfg.sampler.batch_size, len(graph.train_idx)), replace=False)
+        mb = sampler.sample(seeds)
+        mb.x = torch.from_numpy(np.asarray(graph.feat[mb.input_nodes.numpy()], dtype=np.float32))
+        on_device.append(mb.to(dev))
+    torch.manual_seed(0)
+    model = model_for(graph.feat_dim, graph.num_classes, cfg).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    times = []
+    for _ in range(passes):
+        stats = train_epoch(model, optimizer, iter(on_device), len(on_device), graph.num_classes, dev)
+        times.append(stats["epoch_time"] / len(on_device))
+    inputs = statistics.mean(int(mb.input_nodes.shape[0]) for mb in on_device)
+    return dict(step_s=statistics.median(times[1:] or times), input_nodes=inputs,
+                steps=steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, 1),
+                feature_mb=inputs * graph.feat_dim * 4 / 2**20)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arxiv", default=str(REPO.parent / "shared" / "datasets" / "arxiv-structure"))
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: that it runs")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--actors", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 4)),
+                   help="sampler actors of each job")
+    p.add_argument("--ceiling-batches", type=int, default=40)
+    p.add_argument("--only", nargs="*", help="graphs to run (default: all)")
+    p.add_argument("--json", default=str(REPO / "bench-results" / "gpu-placements.json"))
+    a = p.parse_args(argv)
+    cuda = torch.cuda.is_available() and not a.smoke
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    epochs, batches, actors = (2, 4, 1) if a.smoke else (a.epochs, a.ceiling_batches, a.actors)
+    print(f"device: {torch.cuda.get_device_name(0) if cuda else 'cpu'}; {actors} sampler actors; "
+          f"medians over epochs 2..{epochs} (jobs) and passes 2..3 (ceiling)")
+    out, failed = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "actors": actors}, False
+    for name, options in graphs(a.arxiv, a.smoke).items():
+        if a.only and name not in a.only:
+            continue
+        started = time.monotonic()
+        top = ceiling(options, dev, batches)
+        out[name] = {"ceiling": top}
+        print(f"\n{name}: ceiling {top['step_s'] * 1e3:.2f} ms a step ({top['input_nodes']:.0f} input nodes, "
+              f"{top['feature_mb']:.0f} MB of features a batch)")
+        print(f"  {'placement':<10}{'step ms':>9}{'ceiling ms':>12}{'ratio':>8}{'data_wait':>11}  worker did")
+        for placement in PLACEMENTS:
+            if placement != "host" and not cuda and not a.smoke:
+                continue
+            try:
+                r = job(options, placement, cuda, epochs, actors, top["steps"], timeout_s=1800)
+            except Exception as exc:  # the other rows still run
+                failed = True
+                out[name][placement] = {"error": str(exc)}
+                print(f"  {placement:<10} failed: {str(exc)[-300:]}")
+                continue
+            out[name][placement] = r
+            did = r["did"] or {}
+            print(f"  {placement:<10}{r['step_s'] * 1e3:>9.2f}{top['step_s'] * 1e3:>12.2f}"
+                  f"{r['step_s'] / top['step_s']:>8.2f}{r['data_wait']:>11.2f}  {did.get('placement', '?')} "
+                  f"{did.get('note', '')}")
+        out[name]["seconds"] = time.monotonic() - started
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(out, indent=1))
+    print(f"\nwritten: {a.json}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
