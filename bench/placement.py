@@ -11,7 +11,7 @@ shard nodes, ``--feature-shards 3``, 2 train workers of 1 CPU, 1 sampler
 actor, fanouts 10,10,10, 1 epoch.
 
 For ``--feature-cache`` 0 and 0.1 it runs ``fit.run`` twice: as the job
-places its workers (``fit.beside_shards``: each on its own shard node) and
+places its workers (``plans.beside_shards``: each on its own shard node) and
 as Ray Train places them alone (``beside_shards`` patched to place nothing).
 Per run: each train worker's node, rank 0's remote share of rows and remote
 bytes per batch, the cache hit rate (the epoch's metrics line), and after
@@ -86,13 +86,13 @@ def run_one(data, cache: float, beside: bool, workdir: Path, hidden: int) -> dic
 
     import gnnray.driver.fit as fit
     from bench.common import Settings, job_config
-    from gnnray.driver import launch
+    from gnnray.driver import launch, plans
 
     published = []
-    original_publish, original_beside = launch.load_and_publish, fit.beside_shards
+    original_publish, original_beside = launch.load_and_publish, plans.beside_shards
     launch.load_and_publish = lambda *a, **kw: published.append(original_publish(*a, **kw)) or published[-1]
     if not beside:
-        fit.beside_shards = lambda *a, **kw: None
+        plans.beside_shards = lambda *a, **kw: None
     before = set(actor_table())
     name = f"{'beside' if beside else 'ray'}-{cache}-{uuid.uuid4().hex[:6]}"
     s = Settings(quick=True, cores=2, fanouts=(10, 10, 10), batch_size=1024, hidden=hidden, epochs=1, workers=2)
@@ -102,7 +102,7 @@ def run_one(data, cache: float, beside: bool, workdir: Path, hidden: int) -> dic
         summary = fit.run(cfg)
         wall_s = time.perf_counter() - start
     finally:
-        launch.load_and_publish, fit.beside_shards = original_publish, original_beside
+        launch.load_and_publish, plans.beside_shards = original_publish, original_beside
     handle = published[-1].handle
     shards = {s.node_id: i for i, s in enumerate(handle.features.shards)}
     head = ray.get_runtime_context().get_node_id()

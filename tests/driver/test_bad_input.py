@@ -271,7 +271,7 @@ def test_check_resources_accepts(args, nodes):
 
 def test_autoscaling_cluster_waits_instead(ray_cluster, monkeypatch, capsys):
     """A cluster whose autoscaler may add nodes is not rejected: the driver says what it waits for."""
-    from gnnray.driver.launch import resolve_gpu as _resolve_gpu
+    from gnnray.driver.connect import resolve_gpu as _resolve_gpu
 
     assert not cluster.autoscaling()  # the session's cluster has no autoscaler
     monkeypatch.setattr(cluster, "autoscaling", lambda: True)
@@ -302,7 +302,7 @@ def test_a_cluster_that_refuses_the_driver_is_a_clear_error(monkeypatch):
     with its own token would cost this suite another cluster."""
     import ray
 
-    from gnnray.driver import launch
+    from gnnray.driver import connect
 
     def refused(**kwargs):
         raise ConnectionError("Failed to connect to Ray cluster at 10.1.2.3:6379")
@@ -317,7 +317,7 @@ def test_a_cluster_that_refuses_the_driver_is_a_clear_error(monkeypatch):
         address = f"127.0.0.1:{listening.getsockname()[1]}"
         monkeypatch.setenv("RAY_ADDRESS", address)
         with pytest.raises(ClusterError) as err:
-            launch.init_ray(parse_args([]))
+            connect.init_ray(parse_args([]))
     for text in (f"RAY_ADDRESS={address}", "Failed to connect", "RAY_ADDRESS=auto", "RAY_AUTH_TOKEN",
                  "ray job submit"):
         assert text in str(err.value), str(err.value)

@@ -194,7 +194,7 @@ def _node(node_id: str, cpus: float, gpus: float = 0):
 
 
 def _selected(cfg, handle, cluster, use_gpu=False):
-    from gnnray.driver.fit import NODE_ID_LABEL, beside_shards
+    from gnnray.driver.plans import NODE_ID_LABEL, beside_shards
 
     selectors = beside_shards(cfg, handle, use_gpu, cluster)
     return None if selectors is None else [s.get(NODE_ID_LABEL) for s in selectors]

@@ -57,7 +57,7 @@ def token_cluster(tmp_path_factory):
 
 
 def _check(address: str, **env) -> subprocess.CompletedProcess:
-    code = ("from gnnray.driver.launch import check_token\nfrom gnnray.errors import ClusterError\n"
+    code = ("from gnnray.driver.connect import check_token\nfrom gnnray.errors import ClusterError\n"
             f"try:\n    check_token({address!r}, 30)\nexcept ClusterError as e:\n    print('refused:', e)\n"
             "else:\n    print('accepted')")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
