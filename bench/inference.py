@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from gnnray.config import DataConfig
     from gnnray.data.load import load_graph
     from gnnray.pipeline.graphbolt import to_dgl
-    from gnnray.pipeline.features import LocalRows
+    from gnnray.pipeline.feature_reader import LocalRows
     from gnnray.train.layerwise import infer
     from gnnray.train.model import build_model
 

@@ -12,7 +12,7 @@ step  file                        runs on                 output
 3     ``pipeline/seeds.py``       driver, sampler actors  ``SeedPlan`` + dataset of row numbers, all epochs
 4     ``pipeline/sampler.py``     sampler actors          packed ``MiniBatch`` rows (``pipeline/batch.py``)
 5     ``pipeline/prefetch.py``    train worker thread     ``MiniBatch`` with features, on the device
-      ``pipeline/features.py``    train worker thread     its rows: local, cached or fetched from shards
+      ``pipeline/feature_reader.py``                      its rows: local, cached or fetched from shards,
       ``pipeline/placement.py``   train worker            or gathered on the device (``--feature-placement``)
 6     ``train/model.py``          train worker            logits (``train/conv.py``: message passing in torch)
 7     ``train/step.py``           train worker            loss, optimizer step; ``train/loop.py`` runs it, then
@@ -22,7 +22,7 @@ step  file                        runs on                 output
 
 - ``data/``: the graph type (``graph.py``), its readers (``synthetic.py``,
   ``ogb.py``, ``mag.py``, ``graph_dir.py``; ``typed.py`` fills typed graphs'
-  missing features; ``features.py``: where feature rows come from, on any
+  missing features; ``feature_source.py``: where feature rows come from, on any
   node), the one CSC builder (``csc.py``), its checks (``validate.py``) and
   its place in the object store (``store.py``, ``shards.py``; ``hidden_rows.py``:
   the shard servers' hold of layer-wise inference's hidden tables).
@@ -36,12 +36,14 @@ step  file                        runs on                 output
 - ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it), plus ``embedding.py`` (``--embedding-dim``)
   and ``checkpoint.py`` (written by rank 0 and, for embedding rows, by their owners; chosen by the driver).
 - ``driver/``: ``cli.py`` (exit codes) -> ``fit.py`` (resume, restarts, final
-  evaluation); ``launch.py`` (init Ray, load, publish; shared with
-  ``predict.py``), ``preflight.py`` (storage and cluster checks),
-  ``console.py`` (what a run prints), ``failures.py`` (one-line failure text).
+  evaluation); ``connect.py`` (start or join Ray), ``launch.py`` (load,
+  publish; both shared with ``predict.py``), ``plans.py`` (the decisions
+  before training), ``preflight.py`` (storage and cluster checks),
+  ``split.py`` (the stream's split, ended actors first), ``console.py``
+  (what a run prints), ``failures.py`` (one-line failure text).
 - ``train/layerwise.py``: exact layer-wise inference on the train workers after
   the last epoch (``train/hidden.py``: its hidden tables on the shard servers
-  with ``--feature-shards``); ``inference/layerwise.py`` runs the same code in
+  with ``--feature-shards``); ``inference/predict_task.py`` runs the same code in
   one Ray task for ``jobs/predict.py``.
 - Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
   ``stack.py`` (the versions every node must share with the driver),

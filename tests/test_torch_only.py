@@ -27,7 +27,7 @@ import torch
 
 import gnnray.pipeline.batch, gnnray.pipeline.prefetch, gnnray.train.step, gnnray.train.model
 from bench.gpu.batches import RELATIONS, synthetic_batch
-from gnnray.pipeline.features import LocalRows
+from gnnray.pipeline.feature_reader import LocalRows
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.train.model import MODELS, build_model
 from gnnray.train.step import train_epoch

@@ -108,7 +108,7 @@ def placed_row(dev: torch.device, z: dict) -> dict:
     import time
 
     from bench.gpu import batches
-    from gnnray.pipeline.features import LocalRows
+    from gnnray.pipeline.feature_reader import LocalRows
     from gnnray.pipeline.placement import place
     from gnnray.pipeline.prefetch import Prefetcher
     from gnnray.train.step import train_epoch

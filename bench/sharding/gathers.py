@@ -23,7 +23,7 @@ class GatherProbe:
     """
 
     def __init__(self, handle):
-        from gnnray.pipeline.features import reader_for
+        from gnnray.pipeline.feature_reader import reader_for
 
         self._graph = handle.get()
         self._reader = reader_for(self._graph, handle.features)

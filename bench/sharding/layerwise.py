@@ -60,7 +60,7 @@ class Rank:
         import torch
         import torch.distributed as dist
 
-        from gnnray.pipeline.features import reader_for
+        from gnnray.pipeline.feature_reader import reader_for
 
         torch.set_num_threads(1)  # three ranks and their servers on this machine's cores
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -103,7 +103,7 @@ class GraphParts:
     num_classes: int
     src: Optional[np.ndarray]
     dst: Optional[np.ndarray]
-    feat: Optional[object]  # an array or a FeatureSource (gnnray.data.features); None: the source has no features
+    feat: Optional[object]  # an array or a FeatureSource (gnnray.data.feature_source); None: the source has no features
     label: np.ndarray
     splits: dict
     no_feat: str = ""  # where features were looked for, for the error message
@@ -130,7 +130,7 @@ class GraphParts:
         The CSC is stored as int32 where it fits (:func:`~gnnray.data.csc.compact_csc`).
         """
         from gnnray.data.csc import build_csc, compact_csc, typed_csc
-        from gnnray.data.features import FeatureSource, materialize
+        from gnnray.data.feature_source import FeatureSource, materialize
 
         reverse = self.reverse_default if reverse is None else reverse
         types = {}

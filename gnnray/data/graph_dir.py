@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from gnnray.data.features import ParquetRows
+from gnnray.data.feature_source import ParquetRows
 from gnnray.data.graph import SPLITS, GraphParts, check_ids
 from gnnray.errors import DatasetError
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from gnnray.config import DataConfig
-from gnnray.data.features import (ArrayRows, FeatureSource, Normalized, RandomRows, check_finite, materialize,
+from gnnray.data.feature_source import (ArrayRows, FeatureSource, Normalized, RandomRows, check_finite, materialize,
                                   source_of)
 from gnnray.data.graph import Graph, GraphParts
 from gnnray.data.typed import symmetric_relations
@@ -47,7 +47,7 @@ def load_graph(cfg: DataConfig, seed: int = 0) -> Graph:
 
 
 def load_structure(cfg: DataConfig, seed: int = 0) -> tuple[Graph, FeatureSource]:
-    """As :func:`load_graph`, but the features stay a :class:`~gnnray.data.features.FeatureSource`.
+    """As :func:`load_graph`, but the features stay a :class:`~gnnray.data.feature_source.FeatureSource`.
 
     The graph's ``feat`` is a ``(num_nodes, 0)`` placeholder: with
     ``--feature-shards`` each shard's rows are produced on its own node

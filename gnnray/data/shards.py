@@ -4,7 +4,7 @@ Shard ``k`` holds the rows of node ids ``[lo_k, hi_k)`` (contiguous ranges: the
 owner of a row is one ``searchsorted``; no partitioning step). For each shard
 the driver runs one task pinned to the shard's node (``NodeAffinitySchedulingStrategy``,
 not soft) that produces the rows there from a
-:class:`~gnnray.data.features.FeatureSource` and returns them: the array is
+:class:`~gnnray.data.feature_source.FeatureSource` and returns them: the array is
 stored in that node's object store and owned by the driver, so it outlives the
 processes that read it and Ray never moves it. Nothing ``ray.get`` s a shard
 from another node (that would pull the whole shard): a :class:`ShardServer`
@@ -20,7 +20,7 @@ first time a process there reads it.
 Lost shards (:func:`repair`, after a failed attempt) are made again from the
 same source, each on its own alive node that still has room for it.
 
-What readers do with this handle is :mod:`gnnray.pipeline.features`.
+What readers do with this handle is :mod:`gnnray.pipeline.feature_reader`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from gnnray.data.features import FeatureSource, check_finite
+from gnnray.data.feature_source import FeatureSource, check_finite
 from gnnray.data.hidden_rows import HiddenRowsHeld
 from gnnray.errors import ClusterError, FeatureShardError, GnnrayError, last_line, size_text
 from gnnray.stack import check_node

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gnnray.data.features import SyntheticRows
+from gnnray.data.feature_source import SyntheticRows
 from gnnray.data.graph import Graph, GraphParts
 
 

@@ -325,7 +325,7 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
     computed once.
     """
     from gnnray.driver import console
-    from gnnray.inference import layerwise
+    from gnnray.inference import predict_task
     from gnnray.train import checkpoint
 
     if cfg.train.eval != "layerwise":
@@ -333,11 +333,11 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
     m = latest.metrics
     if m.get("eval") != "layerwise":
         # ``embedding``: the checkpoint directory, whose embedding shard files the inference task reads.
-        model, embedding = layerwise.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
-        if not layerwise.supports_layerwise(model):
+        model, embedding = predict_task.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
+        if not predict_task.supports_layerwise(model):
             console.say(f"note: {type(model).__name__} has no layer(i, layer, h): final accuracies are sampled")
             return latest
-        result = layerwise.run(graph, handle, model, embedding=embedding, batch_size=cfg.train.inference_batch_size,
+        result = predict_task.run(graph, handle, model, embedding=embedding, batch_size=cfg.train.inference_batch_size,
                                use_gpu=cfg.train.use_gpu)
         update = {"eval": "layerwise", "val_acc_layerwise": result.accuracy["valid"],
                   "test_acc": result.accuracy["test"], "inference_s": result.seconds}

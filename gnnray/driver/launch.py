@@ -13,7 +13,7 @@ import numpy as np
 
 from gnnray import storage
 from gnnray.config import JobConfig
-from gnnray.data.features import FeatureSource
+from gnnray.data.feature_source import FeatureSource
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.driver import preflight
@@ -134,7 +134,7 @@ def _load(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]]):
 
 def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource:
     """``features.spill`` under the run's directory (``STORAGE_PATH/NAME/feature-spill``)."""
-    from gnnray.data.features import spill
+    from gnnray.data.feature_source import spill
     from gnnray.data.shards import shard_bounds
 
     run_dir = storage.run_dir(cfg.run.storage_path, cfg.run.name)

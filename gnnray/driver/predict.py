@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from gnnray.errors import ConfigError
-from gnnray.inference.layerwise import InferenceResult, load_model, run
+from gnnray.inference.predict_task import InferenceResult, load_model, run
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -73,10 +73,10 @@ def _checkpoint_config(path: str):
     meta = checkpoint.read_meta(info.path)
     if "config" not in meta:
         raise ConfigError(f"--checkpoint {info.path}: it stores no job configuration (written by an older "
-                          "gnnray); retrain, or call gnnray.inference.layerwise.run with the model yourself")
+                          "gnnray); retrain, or call gnnray.inference.predict_task.run with the model yourself")
     if meta["config"].get("custom_model"):
         raise ConfigError(f"--checkpoint {info.path}: trained with a custom model factory that predict.py cannot "
-                          "rebuild; call gnnray.inference.layerwise.load_model with it and gnnray.inference.layerwise.run")
+                          "rebuild; call gnnray.inference.predict_task.load_model with it and gnnray.inference.predict_task.run")
     return from_dict(meta["config"]), info.path
 
 

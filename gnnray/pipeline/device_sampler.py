@@ -166,7 +166,7 @@ class DeviceBatches:
     """
 
     def __init__(self, rows: Iterable[int], plan, sampler: DeviceSampler, feat):
-        from gnnray.pipeline.features import FeatureReader, LocalRows
+        from gnnray.pipeline.feature_reader import FeatureReader, LocalRows
         from gnnray.pipeline.seeds import SeedReader
 
         self._rows, self._seeds, self._sampler = iter(rows), SeedReader(plan), sampler

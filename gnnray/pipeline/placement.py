@@ -27,7 +27,7 @@ import torch
 
 from gnnray.data.shards import cache_ids
 from gnnray.data.store import readonly_tensor
-from gnnray.pipeline.features import FeatureReader, LocalRows, ShardedRows
+from gnnray.pipeline.feature_reader import FeatureReader, LocalRows, ShardedRows
 
 # Of the GPU's free memory once the model is there: what a resident table or the UVA cache may take. The rest is
 # for activations, the optimizer's state and the batches in flight.

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from gnnray.pipeline.batch import MiniBatch
-from gnnray.pipeline.features import FeatureReader, LocalRows
+from gnnray.pipeline.feature_reader import FeatureReader, LocalRows
 
 _END = object()
 
@@ -111,7 +111,7 @@ class Prefetcher:
     Args:
         rows: Packed mini-batches (1-D int32 or int64 numpy arrays), read in order.
         feat: Node features: a ``(num_nodes, F)`` float32 or float16 table
-            (read-only is fine) or a :class:`~gnnray.pipeline.features.FeatureReader`
+            (read-only is fine) or a :class:`~gnnray.pipeline.feature_reader.FeatureReader`
             (sharded features: remote rows are fetched here, on this thread).
         device: Where batches are delivered.
         depth: Batches prepared ahead of the consumer.

@@ -141,7 +141,7 @@ class EmbeddingOwner(RowStore):
 
 def init_rows(seed: int, lo: int, hi: int, dim: int) -> np.ndarray:
     """Initial rows ``[lo, hi)``: uniform in [-1, 1] (as DGL's examples), the same for any range (chunked seeds)."""
-    from gnnray.data.features import chunked_random
+    from gnnray.data.feature_source import chunked_random
 
     return chunked_random(seed, lo, hi, dim, uniform=True)
 

@@ -27,7 +27,7 @@ from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
 from gnnray.data.store import GraphHandle
 from gnnray.pipeline.batch import MiniBatch
-from gnnray.pipeline.features import FeatureReader, LocalRows
+from gnnray.pipeline.feature_reader import FeatureReader, LocalRows
 from gnnray.pipeline.prefetch import HostSlot, Prefetcher
 from gnnray.pipeline.sampler import start_evaluation_sampler
 from gnnray.train.embedding import NodeEmbedding

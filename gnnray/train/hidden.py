@@ -32,7 +32,7 @@ import numpy as np
 
 from gnnray.data.hidden_rows import piece_rows
 from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls, wait_streams
-from gnnray.pipeline.features import FeatureReader
+from gnnray.pipeline.feature_reader import FeatureReader
 
 # Chunks a rank may have on their way to the servers while it computes the next one.
 IN_FLIGHT = 2

@@ -7,7 +7,7 @@ exact and cheaper: layer ``i`` is computed once for *all* nodes, each with
 
 Where it runs: on the train workers after the last epoch (``--eval layerwise``,
 :mod:`gnnray.train.loop`), on their devices; with world size 1 in one Ray task
-for ``jobs/predict.py`` and a finished run resumed (:mod:`gnnray.inference.layerwise`).
+for ``jobs/predict.py`` and a finished run resumed (:mod:`gnnray.inference.predict_task`).
 
 How: rank ``r`` of ``W`` takes nodes ``[r N / W, (r + 1) N / W)`` in chunks of
 ``--inference-batch-size``. A chunk's block is rows ``[a, b)`` of the
@@ -44,7 +44,7 @@ import torch
 
 from gnnray.data.graph import Graph
 from gnnray.pipeline.batch import Layer
-from gnnray.pipeline.features import FeatureReader, take_rows
+from gnnray.pipeline.feature_reader import FeatureReader, take_rows
 
 _SPLITS = ("train", "valid", "test")
 

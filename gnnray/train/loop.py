@@ -33,7 +33,7 @@ from gnnray.errors import GnnrayError
 from gnnray.logs import quiet_console
 from gnnray.metrics import TrainMetrics
 from gnnray.pipeline.batch import MiniBatch, from_arrow
-from gnnray.pipeline.features import reader_for
+from gnnray.pipeline.feature_reader import reader_for
 from gnnray.pipeline.device_sampler import device_batches
 from gnnray.pipeline.placement import place
 from gnnray.pipeline.prefetch import Prefetcher

@@ -203,7 +203,7 @@ class _Relational(_LayeredGNN):
     saved as a buffer.
 
     The buffer lets a checkpoint rebuild the model without the graph
-    (:func:`gnnray.inference.layerwise.load_model`).
+    (:func:`gnnray.inference.predict_task.load_model`).
     """
 
     convs: nn.ModuleList

@@ -8,7 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
-from gnnray.data.features import ArrayRows, Normalized, NpyRows, RandomRows, SyntheticRows
+from gnnray.data.feature_source import ArrayRows, Normalized, NpyRows, RandomRows, SyntheticRows
 from gnnray.data.shards import cache_ids, choose_nodes, shard_bounds
 from gnnray.driver.preflight import Node
 from gnnray.errors import ClusterError
@@ -105,7 +105,7 @@ def test_parquet_shard_reads_only_the_row_groups_of_its_range(tmp_path, monkeypa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from gnnray.data.features import ParquetRows
+    from gnnray.data.feature_source import ParquetRows
 
     n, d = 1_000, 3
     feat = np.random.default_rng(0).standard_normal((n, d)).astype(np.float32)
@@ -128,7 +128,7 @@ def test_in_memory_tables_are_spilled_once_per_shard(storage_path, tmp_path):
     """The driver writes a table read into memory as one file per shard (in a directory or a bucket), and
     rebuilds shards from them."""
     from gnnray import storage
-    from gnnray.data.features import SpilledRows, spill
+    from gnnray.data.feature_source import SpilledRows, spill
 
     table = np.random.default_rng(0).standard_normal((1_000, 4)).astype(np.float32)
     bounds = shard_bounds(1_000, 3)

@@ -126,7 +126,7 @@ def test_shard_servers_embedding_owners_and_the_inference_task_check_their_node(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from gnnray.data.shards import ShardServer
-    from gnnray.inference.layerwise import _predict
+    from gnnray.inference.predict_task import _predict
     from gnnray.train.embedding import EmbeddingOwner
 
     env = {**other_versions(tmp_path, {"numpy": "9.9.9"}), stack.DRIVER_ENV: json.dumps(stack.versions())}

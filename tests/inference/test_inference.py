@@ -18,9 +18,9 @@ from conftest import shared_dataset, tiny_graph
 from gnnray.config import parse_args
 from gnnray.data.store import publish
 from gnnray.driver import predict
-from gnnray.inference import layerwise as inference
+from gnnray.inference import predict_task as inference
 from gnnray.pipeline.batch import Layer
-from gnnray.pipeline.features import LocalRows
+from gnnray.pipeline.feature_reader import LocalRows
 from gnnray.train import checkpoint
 from gnnray.train.layerwise import full_block, infer
 from gnnray.train.model import build_model

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from gnnray.pipeline.features import LocalRows
+from gnnray.pipeline.feature_reader import LocalRows
 from gnnray.pipeline.placement import DEVICE_SHARE, choose, place
 from gnnray.pipeline.prefetch import Prefetcher
 from test_prefetch import check, make_packed
@@ -123,7 +123,7 @@ def _sharded(table: np.ndarray, cache: np.ndarray):
 @pytest.mark.parametrize("mode", ["device", "uva"])
 def test_sharded_device_gather_returns_the_host_gathers_rows(ray_cluster, mode):
     """This node's shard (and the cache) on the device, the other shards' rows fetched and scattered in."""
-    from gnnray.pipeline.features import ShardedRows
+    from gnnray.pipeline.feature_reader import ShardedRows
 
     table = np.random.default_rng(3).standard_normal((3000, 6)).astype(np.float32)
     handle = _sharded(table, np.arange(0, 3000, 7))

@@ -21,7 +21,7 @@ import ray.cloudpickle as cloudpickle
 from gnnray.config import DataConfig, JobConfig
 from gnnray.data.load import load_graph
 from gnnray.data.shards import Shard, ShardedFeatures, hidden_nbytes, shard_bounds
-from gnnray.pipeline.features import LocalRows
+from gnnray.pipeline.feature_reader import LocalRows
 from gnnray.train.hidden import assign
 from gnnray.train.layerwise import infer
 from gnnray.train.model import build_model
@@ -71,7 +71,7 @@ class Rank:
         self.rank, self.world = rank, world
 
     def infer(self, handle, model):
-        from gnnray.pipeline.features import reader_for
+        from gnnray.pipeline.feature_reader import reader_for
         from gnnray.train.layerwise import infer
 
         graph = handle.get()

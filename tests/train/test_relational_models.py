@@ -189,7 +189,7 @@ def test_relational_models_run_on_untyped_graphs_and_others_on_typed(hetero):
 
 def test_checkpoint_rebuilds_the_relations(tmp_path, hetero):
     from gnnray.config import JobConfig, ModelConfig, SamplerConfig
-    from gnnray.inference.layerwise import load_model
+    from gnnray.inference.predict_task import load_model
     from gnnray.train import checkpoint
 
     cfg = JobConfig(model=ModelConfig(name="rsage", hidden=8), sampler=SamplerConfig(fanouts=(3, 2)))
@@ -250,7 +250,7 @@ def test_former_sageconv_is_dgls():
 def test_a_former_rsage_checkpoint_is_refused_naming_the_cause(tmp_path, hetero):
     from gnnray.config import JobConfig, ModelConfig, SamplerConfig
     from gnnray.errors import GnnrayError
-    from gnnray.inference.layerwise import load_model
+    from gnnray.inference.predict_task import load_model
     from gnnray.train import checkpoint
 
     # The former layout: a SAGEConv per relation and layer, under the same names.

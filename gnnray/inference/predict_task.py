@@ -164,7 +164,7 @@ def _predict(handle: GraphHandle, model: torch.nn.Module, embedding: list, batch
 
     check_node("the inference task")
 
-    from gnnray.pipeline.features import LocalRows, reader_for
+    from gnnray.pipeline.feature_reader import LocalRows, reader_for
     from gnnray.train.layerwise import infer
 
     graph = handle.get()

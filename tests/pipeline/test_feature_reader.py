@@ -1,6 +1,6 @@
 """Sharded features (``--feature-shards``) on three simulated nodes: gathered rows, placement, store bytes.
 
-The reader (``gnnray.pipeline.features``) must return exactly ``feat[ids]``
+The reader (``gnnray.pipeline.feature_reader``) must return exactly ``feat[ids]``
 whichever way each row arrives: from the node's cache, from a shard on its own
 node, or from another node's shard server.
 """
@@ -15,7 +15,7 @@ import pytest
 from gnnray.config import DataConfig, JobConfig
 from gnnray.data.load import load_graph
 from gnnray.driver import launch
-from gnnray.pipeline.features import reader_for
+from gnnray.pipeline.feature_reader import reader_for
 
 CFG = DataConfig(dataset="synthetic", synthetic_nodes=6000, synthetic_feat_dim=24, feature_shards=3,
                  feature_cache=0.1)
@@ -82,7 +82,7 @@ def test_rows_of_the_local_shard_are_read_on_its_node(published):
     ids = np.r_[ids, ids[:5]]
 
     def gather_there(pub, ids):  # self-contained: the test module is not importable on Ray's workers
-        from gnnray.pipeline.features import reader_for
+        from gnnray.pipeline.feature_reader import reader_for
 
         reader = reader_for(pub.graph, pub.handle.features)
         out = np.full((len(ids), pub.handle.feat_dim), np.nan, dtype=np.float32)
@@ -270,7 +270,7 @@ def table(ray_cluster):
 
 def test_far_shards_gather_like_near_ones(table):
     """The made-up layout itself works: every row fetched by a call, exactly the table."""
-    from gnnray.pipeline.features import ShardedRows
+    from gnnray.pipeline.feature_reader import ShardedRows
 
     handle, _ = _far_handle(table, ["ok", "ok", "ok"])
     reader, out = ShardedRows(handle), np.full(table.shape, np.nan, dtype=np.float32)
@@ -281,7 +281,7 @@ def test_far_shards_gather_like_near_ones(table):
 
 def test_a_dead_server_names_its_shard_and_node_and_the_other_calls_are_cancelled(table):
     from gnnray.errors import FeatureShardError
-    from gnnray.pipeline.features import ShardedRows
+    from gnnray.pipeline.feature_reader import ShardedRows
 
     handle, hangers = _far_handle(table, ["dead", "hanging", "ok"])
     with pytest.raises(FeatureShardError, match=r"feature shard 0:1000 on node 10.9.9.0 \(ffffffff\) did not "
@@ -293,7 +293,7 @@ def test_a_dead_server_names_its_shard_and_node_and_the_other_calls_are_cancelle
 def test_one_deadline_for_all_shards_names_every_late_one(table):
     """Two shards hang: one overall timeout, and the error names both (a shard-by-shard wait names one)."""
     from gnnray.errors import FeatureShardError
-    from gnnray.pipeline.features import ShardedRows
+    from gnnray.pipeline.feature_reader import ShardedRows
 
     handle, hangers = _far_handle(table, ["ok", "hanging", "hanging"], timeout_s=2)
     with pytest.raises(FeatureShardError, match=r"feature shard 1000:2000 on node 10.9.9.1 \(ffffffff\) and feature "
@@ -305,7 +305,7 @@ def test_one_deadline_for_all_shards_names_every_late_one(table):
 
 def test_an_error_in_the_call_names_its_shard_and_node(table):
     from gnnray.errors import FeatureShardError
-    from gnnray.pipeline.features import ShardedRows
+    from gnnray.pipeline.feature_reader import ShardedRows
 
     handle, _ = _far_handle(table, ["ok", "short", "ok"])
     with pytest.raises(FeatureShardError, match=r"feature shard 1000:2000 on node 10.9.9.1 \(ffffffff\) did not "
