@@ -96,3 +96,11 @@ def test_the_console_imports_no_torch():
     code = "import sys, gnnray.driver.console; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_module_names_are_unique():
+    """No two modules share a file name: in the package a name says which side it serves, and pytest imports
+    test files by their base name (two ``test_x.py`` in different folders stop the whole collection)."""
+    for root in (PACKAGE, PACKAGE.parent / "tests"):
+        names = [p.name for p in root.rglob("*.py") if p.name != "__init__.py"]
+        assert sorted({n for n in names if names.count(n) > 1}) == [], root
