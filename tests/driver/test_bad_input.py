@@ -227,7 +227,9 @@ def _closed_port() -> int:
     # No network to the store: an endpoint where nothing listens (the URI's own setting, over AWS_ENDPOINT_URL).
     ("s3://gnnray-tests/runs?endpoint_override=http://127.0.0.1:{port}", ["Could not connect", "AWS_ENDPOINT_URL"]),
     # Credentials the store does not accept: a second server that checks them.
-    ("s3://gnnray-tests/runs?endpoint_override={strict}", ["INVALID_ACCESS_KEY_ID", "the credentials"]),
+    # The writer first asks whether the key exists (a replaced object goes through a temporary key): S3 answers
+    # that HeadObject with 403 and no body.
+    ("s3://gnnray-tests/runs?endpoint_override={strict}", ["ACCESS_DENIED", "the credentials"]),
     ("nosuch://bucket/runs", ["nosuch://bucket/runs/gnnray", "Unrecognized filesystem type"]),
 ])
 def test_a_store_that_refuses_stops_the_run_before_training(ray_cluster, s3_server, strict_s3, capsys, location,
