@@ -105,7 +105,7 @@ def cluster(s3_server):
     os.environ["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{gcs}"
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "dashboard_port": _free_port(),
                                                       "gcs_server_port": gcs})
-    ray.init(address=c.address, runtime_env={"env_vars": {"DGLBACKEND": "pytorch", "OUTDATED_IGNORE": "1"}})
+    ray.init(address=c.address)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield c
     ray.shutdown()

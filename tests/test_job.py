@@ -70,16 +70,21 @@ def test_uneven_split_and_user_model(ray_cluster, tmp_path):
 
 
 def test_sampling_on_the_device_trains_as_the_actors_do(cora_run, tmp_path, capsys):
-    """``--sample-on device`` with the CPU as the device: no sampler actors, each worker samples its seed rows
-    itself (gnnray.pipeline.device_sampler), and cora reaches the actors' run's accuracy (the same flags)."""
+    """``--sample-on device --feature-placement device`` with the CPU as the device: no sampler actors, each
+    worker samples its seed rows itself (gnnray.pipeline.device_sampler) and gathers their features from a table
+    on its device (gnnray.pipeline.placement), and cora reaches the actors' run's accuracy (the same flags)."""
+    from gnnray.train.report import events
+
     actors, _ = cora_run
     cora = shared_dataset("cora")
     cfg = parse_args(["--dataset", str(cora), "--normalize-features", "--epochs", "20", "--batch-size", "32",
                       "--fanouts", "10,10", "--hidden", "64", "--lr", "0.01", "--weight-decay", "5e-4",
                       "--num-workers", "2", "--storage-path", str(tmp_path), "--name", "device",
-                      "--sample-on", "device", "--eval", "sampled"])
+                      "--sample-on", "device", "--feature-placement", "device", "--eval", "sampled"])
     summary = run(cfg)
     assert "sampling plan: on each train worker's device (--sample-on device)" in capsys.readouterr().out
+    did = [e for e in events(str(tmp_path / "device")) if e["event"] == "features"]
+    assert did and did[-1]["placement"] == "device", did  # the worker says what it did
     logged = _epochs_logged(tmp_path, "device")
     assert [m["epoch"] for m in logged] == list(range(20))
     assert sum(m["seeds_per_s"] * m["epoch_time"] for m in logged) == pytest.approx(20 * 140, rel=1e-6)

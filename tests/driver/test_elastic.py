@@ -61,8 +61,9 @@ class Scenario:
     """The run of :func:`scenario` and what the test did to it."""
 
     args: list
-    storage: Path
+    storage: str  # a bucket's prefix (s3://...): the run keeps its checkpoints and logs there
     name: str
+    run_dir: str
     records: Path
     job: JobThread
     out: str
@@ -75,8 +76,9 @@ _RUNS: dict = {}
 
 
 @pytest.fixture(scope="module")
-def scenario(cluster, ray_cluster, tmp_path_factory) -> Scenario:
-    """One elastic run, 1 to 3 workers, through every resize: it starts on the head alone (1 worker); after
+def scenario(cluster, ray_cluster, s3_server, tmp_path_factory) -> Scenario:
+    """One elastic run, 1 to 3 workers, through every resize, keeping its run in a bucket (a real S3 server: each
+    group resumes from the checkpoint found and read there): it starts on the head alone (1 worker); after
     epoch 1 two nodes join (it grows to 3); after an epoch at 3 one is drained with a 15 s deadline and removed
     at the deadline (2); during its first epoch at 2 the other is removed without notice (1); it then finishes.
     Steps at 3 and 2 workers are slowed to 0.25 s, so that the run is still going at each of these points."""
@@ -84,24 +86,25 @@ def scenario(cluster, ray_cluster, tmp_path_factory) -> Scenario:
         with pytest.MonkeyPatch.context() as mp:
             for k, v in RAY_ENV.items():
                 mp.setenv(k, v)
-            _RUNS["run"] = _scenario(cluster, tmp_path_factory)
+            _RUNS["run"] = _scenario(cluster, s3_server.fresh_prefix("elastic"), tmp_path_factory)
     return _RUNS["run"]
 
 
-def _scenario(cluster, tmp_path_factory) -> Scenario:
+def _scenario(cluster, storage: str, tmp_path_factory) -> Scenario:
     import io
     from contextlib import redirect_stdout
 
-    storage, name = tmp_path_factory.mktemp("elastic"), "elastic"
-    records = storage / "records"
-    records.mkdir()
+    from gnnray import storage as stores
+
+    name = "elastic"
+    records = tmp_path_factory.mktemp("elastic-records")
     args = ELASTIC + ["--epochs", str(EPOCHS), "--max-failures", "2", "--storage-path", str(storage), "--name", name]
     out = io.StringIO()
     added, seconds = [], {}
     try:
         with redirect_stdout(out):
             job = JobThread(args, model_factory=lambda f, c, cfg: RecordingModel(f, c, cfg, str(records)))
-            run_dir = storage / name
+            run_dir = stores.join(storage, name)
             epochs_at = lambda w: [m for m in logged(storage, name) if m["world_size"] == w]  # noqa: E731
 
             # 1 worker; after epoch 1 it waits in its next step (pause-1) while two nodes join.
@@ -148,10 +151,11 @@ def _scenario(cluster, tmp_path_factory) -> Scenario:
                 cluster.remove_node(n)
         cluster.wait_for_nodes()
     print(out.getvalue())  # shown with -s or when a test fails
-    return Scenario(args, storage, name, records, job, out.getvalue(), drained.node_id, lost.node_id, seconds)
+    return Scenario(args, storage, name, run_dir, records, job, out.getvalue(), drained.node_id, lost.node_id,
+                    seconds)
 
 
-def _resize_seconds(run_dir: Path, records: Path, since: float, world: int) -> dict:
+def _resize_seconds(run_dir: str, records: Path, since: float, world: int) -> dict:
     """Seconds from ``since`` (nodes joined, a drain deadline, a node lost) to the start of the next group of
     ``world`` workers (its stream made) and to its first step."""
     start = min(e["time"] for e in events(run_dir) if e["event"] == "start" and e["world_size"] == world
@@ -164,8 +168,11 @@ def _resize_seconds(run_dir: Path, records: Path, since: float, world: int) -> d
 def test_run_grows_and_shrinks_and_finishes(scenario):
     job = scenario.job
     assert job.error is None, repr(job.error)
-    starts = [e for e in events(scenario.storage / scenario.name) if e["event"] == "start"]
+    starts = [e for e in events(scenario.run_dir) if e["event"] == "start"]
     assert [e["world_size"] for e in starts] in GROUPS, starts
+    # Every group after the first resumed from a checkpoint in the bucket, and the run ends with one there.
+    assert all(e["checkpoint"].startswith(scenario.run_dir + "/checkpoint_") for e in starts[1:]), starts
+    assert job.summary.checkpoint.startswith(scenario.run_dir + "/checkpoint_")
     lines = logged(scenario.storage, scenario.name)
     assert sorted({m["epoch"] for m in lines}) == list(range(EPOCHS))
     assert {1, 3} <= {m["world_size"] for m in lines} <= {1, 2, 3}  # the group of 2 may end within its epoch
@@ -250,54 +257,6 @@ def test_elastic_run_restarts_within_one_fit(ray_cluster, tmp_path):
     runs = [r for r in ray.get(actor.get_train_runs.remote()).values() if r.name == "el"]
     assert len(runs) == 1
     assert len(ray.get(actor.get_train_run_attempts.remote())[runs[0].id]) == 2
-
-
-@pytest.mark.slow  # a resize waits for Ray Data's view of the nodes (20 s refresh): about 2 min here
-def test_elastic_run_grows_keeping_its_run_in_a_bucket(cluster, ray_cluster, s3_server, tmp_path):
-    """--num-workers 1,2 with --storage-path s3://...: the run starts on the head alone; a node joins and the group
-    of 2 resumes from the checkpoint within the epoch, found and read in the bucket, as are workers.jsonl and the
-    metrics the driver prints; every step of every epoch is trained, at most --checkpoint-every twice."""
-    import io
-    from contextlib import redirect_stdout
-
-    from gnnray import storage
-
-    where, name = s3_server.fresh_prefix("elastic"), "grow"
-    records = tmp_path / "records"
-    records.mkdir()
-    args = ELASTIC + ["--num-workers", "1,2", "--epochs", "3", "--max-failures", "1", "--storage-path", where,
-                      "--name", name]
-    run_dir = storage.join(where, name)
-    out, node = io.StringIO(), None
-    try:
-        with redirect_stdout(out):
-            job = JobThread(args, model_factory=lambda f, c, cfg: RecordingModel(f, c, cfg, str(records)))
-            wait_until(lambda: len(logged(where, name)) >= 1, JOB_TIMEOUT_S, "an epoch at 1 worker", job)
-            (records / "pause-1").touch()  # the group of 1 waits in its next step while the node joins
-            node = cluster.add_node(num_cpus=NODE_CPUS)
-            cluster.wait_for_nodes()
-            wait_until(lambda: any(s.world == 2 for s in recorded_steps_fast(records)), JOB_TIMEOUT_S,
-                       "a step at 2 workers", job)
-            (records / "pause-1").unlink()
-            job.join()
-    finally:
-        if node is not None and node in cluster.worker_nodes:
-            cluster.remove_node(node)
-        cluster.wait_for_nodes()
-    print(out.getvalue())
-    assert job.error is None, repr(job.error)
-    # On a busy machine a group may also be restarted (a start that timed out): sizes are 1 first, then 2.
-    starts = [e for e in events(run_dir) if e["event"] == "start"]
-    grew = next(e for e in starts if e["world_size"] == 2)
-    assert starts[0]["world_size"] == 1 and grew["checkpoint"].startswith(run_dir + "/checkpoint_"), starts
-    assert "workers: 1 -> 2 (grew: nodes joined), resuming at epoch" in out.getvalue()
-    assert "epoch=2 " in out.getvalue() and "workers=2" in out.getvalue()
-    groups = attempts(recorded_steps(records, args), steps_per_epoch(args))
-    worlds = [w for w, _ in groups]
-    assert worlds[0] == 1 and 2 in worlds and all(0 <= r <= EVERY for r in replays(groups)), groups
-    assert sorted({g for _, gs in groups for g in gs}) == list(range(3 * steps_per_epoch(args)))
-    assert sorted({m["epoch"] for m in logged(where, name)}) == [0, 1, 2]
-    assert job.summary.checkpoint.startswith(run_dir + "/checkpoint_")
 
 
 def test_elastic_split_makes_the_stream_of_each_group_from_the_newest_checkpoint(ray_cluster, tmp_path):

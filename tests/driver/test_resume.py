@@ -20,14 +20,14 @@ from gnnray.errors import CheckpointError
 from gnnray.driver.cli import main
 from gnnray.driver.fit import _resume_point
 from gnnray.driver.predict import main as predict
-from s3_server import STORAGE_KINDS
 
 
-@STORAGE_KINDS
+@pytest.mark.parametrize("storage_path", ["s3"], indirect=True)
 def test_driver_killed_then_resubmitted(ray_cluster, storage_path, tmp_path, capsys):
     """Drill 4: the driver process is killed (SIGKILL) after epoch 1; the same --name and --storage-path resume
-    the run, from a directory or from a bucket (a real S3 server: nothing of the run is on a shared disk, the
-    drivers' epoch lines included); jobs/predict.py then reads the run from there and writes its output there."""
+    the run from a bucket (a real S3 server: nothing of the run is on a shared disk, the drivers' epoch lines
+    included); jobs/predict.py then reads the run from there and writes its output there. A directory's resume
+    is the script run's (tests/test_job.py), through the same storage functions (tests/test_storage.py)."""
     args = SMALL + ["--epochs", "4", "--storage-path", storage_path, "--name", "d4"]
     out = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(job_command(args), cwd=REPO, env=subprocess_env(ray_cluster), stdout=out,
