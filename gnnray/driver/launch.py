@@ -96,6 +96,7 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     Meanwhile a thread imports torch, which the driver needs next: loading and starting Ray (on a new
     local cluster, seconds of waiting for its processes) leave a core to spare.
     """
+    _import_fork_hooks()
     threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
     if overlap_ray:
         loading = _Thread(_load, cfg, model_check)
@@ -144,6 +145,20 @@ def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource
 
 def _import_torch() -> None:
     import torch  # noqa: F401
+
+
+def _import_fork_hooks() -> None:
+    """Import here, on the thread that starts Ray's processes, the modules whose fork hooks come in pairs.
+
+    A hook pair registered by a thread's import while this thread forks runs
+    its "after" half without its "before": concurrent.futures' lock released
+    unlocked ("Exception ignored ... release unlocked lock" on the console of
+    one of two runs started together), filelock's per-thread list popped empty.
+    """
+    import concurrent.futures.thread  # noqa: F401
+    import logging  # noqa: F401
+
+    import filelock  # noqa: F401
 
 
 def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource, local: Optional[bool] = None) -> Published:
