@@ -105,6 +105,8 @@ def cluster(s3_server):
     os.environ["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{gcs}"
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "dashboard_port": _free_port(),
                                                       "gcs_server_port": gcs})
+    # No job runtime env: DGLBACKEND and OUTDATED_IGNORE reach the workers through the cluster's environment
+    # (set above, before it started); a runtime env would start each worker through Ray's setup_worker.py.
     ray.init(address=c.address)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield c

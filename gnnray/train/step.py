@@ -86,7 +86,8 @@ def seed_dropout(seed: int, rank: int, epoch: int, step: int = 0) -> None:
     """Seed torch's generators (dropout's draws) for ``rank``'s ``epoch`` from ``step`` on: ranks draw different
     masks, each epoch its own, and a restart from a checkpoint draws afresh rather than replaying the first steps'
     masks. Called after the model is built, whose weights come from the run seed alone (the same on every rank)."""
-    torch.manual_seed(int(np.random.SeedSequence([seed, rank, epoch, step]).generate_state(1, np.uint64)[0] >> 1))
+    # Shifted as a Python int: numpy 1 (the dgl extra's) has no uint64 >> int.
+    torch.manual_seed(int(np.random.SeedSequence([seed, rank, epoch, step]).generate_state(1, np.uint64)[0]) >> 1)
 
 
 def _all_reduce(t: torch.Tensor) -> None:
