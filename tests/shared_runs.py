@@ -103,7 +103,9 @@ def script_run(ray_cluster, tmp_path_factory) -> ScriptRun:
 
     name = f"syn-{uuid.uuid4().hex[:8]}"  # metrics are labelled by run name
     storage = tmp_path_factory.mktemp("script")
-    args = SYNTHETIC + ["--lr", "0.02", "--storage-path", str(storage), "--name", name]
+    # An interval longer than the run: only the last epoch's checkpoint (tests/test_job.py resumes under 0).
+    args = SYNTHETIC + ["--lr", "0.02", "--checkpoint-interval", "3600", "--storage-path", str(storage),
+                        "--name", name]
     cfg = parse_args(args + ["--epochs", str(SCRIPT_EPOCHS)])
     n_train = len(load_graph(cfg.data).train_idx)
     workers = cfg.train.workers_min

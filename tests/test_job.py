@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,12 @@ from shared_runs import SYNTHETIC
 
 def _epochs_logged(storage: Path, name: str) -> list[dict]:
     return [json.loads(l) for l in (storage / name / METRICS_LOG).read_text().splitlines()]
+
+
+def _checkpointed(run_dir: Path) -> list[int]:
+    from gnnray.train import checkpoint
+
+    return sorted(checkpoint.read_info(str(d)).epoch for d in run_dir.glob("checkpoint_*") if d.is_dir())
 
 
 def test_cora_reaches_published_accuracy(cora_run):
@@ -130,7 +135,8 @@ def test_unwritable_storage_fails_before_training(tmp_path, capsys):
 
 def test_job_script_end_to_end_learns_and_resumes(script_run):
     """The command users run, as a subprocess joined to the session's cluster, learns far above chance; the same
-    name then resumes (here, in this process) at the next epoch, and once finished has nothing to do.
+    name then resumes (here, in this process) at the next epoch, and once finished has nothing to do. Under an
+    interval longer than the run only the last epoch is checkpointed; resumed under 0, every epoch is.
 
     The script's run (shared_runs.py) is also the one whose metrics tests/test_metrics.py reads.
     """
@@ -151,10 +157,12 @@ def test_job_script_end_to_end_learns_and_resumes(script_run):
     assert test_acc > 4 * chance, summary[0]  # about 0.88 after 2 epochs at --lr 0.02
     first_checkpoint = summary[0].split(" checkpoint=")[1]
     assert [m["epoch"] for m in _epochs_logged(storage, name)] == [0, 1]
+    assert _checkpointed(storage / name) == [1]  # --checkpoint-interval 3600: only the last epoch's
 
-    second = run(parse_args(args + ["--epochs", "4"]))
+    second = run(parse_args(args + ["--epochs", "4", "--checkpoint-interval", "0", "--keep-checkpoints", "10"]))
     logged = _epochs_logged(storage, name)
     assert [m["epoch"] for m in logged] == [0, 1, 2, 3]  # continued at epoch 2, nothing repeated
+    assert _checkpointed(storage / name) == [1, 2, 3]  # every epoch's from then on
     assert second.metrics["epoch"] == 3 and second.checkpoint != first_checkpoint
     assert second.test_acc > 4 * chance, second.line()
     # Resumed from the checkpoint, not from scratch: epoch 2 starts near where epoch 1 ended.

@@ -1,5 +1,6 @@
-"""One host, many runs: two local runs started together each use their own cluster, print only their own lines,
-and pin their workers to cores of their own.
+"""One host, many runs: two local runs started together (one of them a notebook's, through the Python API) each
+use their own cluster, print only their own lines, pin their workers to cores of their own, and are released
+from the host however they end.
 
 Each run starts its own local Ray cluster beside the session's (the job's
 subprocesses get no ``RAY_ADDRESS``, so none joins the session's cluster).
@@ -28,12 +29,41 @@ CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray 
                           r"every node\), dashboard (\S+)$")
 
 
+# The second of the two runs is a notebook's: two runs through the Python API in one process, the second
+# raising in its workers. Each registers on the host while it runs and is released when it ends, by returning or
+# by raising, so later runs on the host get the whole of it back.
+API_RUNS = """
+import os
+import sys
+from gnnray import leases
+from gnnray.config import parse_args
+from gnnray.driver.fit import run
+
+me = os.getpid()  # the notebook's (broken below runs in a train worker)
+mine = lambda: [r for r in leases.runs_on_host() if r.endswith(f"-{me}@" + leases.host())]
+args = sys.argv[1:]
+run(parse_args(args + ["--name", "run1"]))
+print("after first:", mine(), flush=True)
+
+def broken(in_feats, num_classes, cfg):
+    raise RuntimeError(f"registered: {mine()}")
+
+try:
+    run(parse_args(args + ["--name", "second", "--max-failures", "0"]), model_factory=broken)
+except Exception as e:
+    print("second failed:", " ".join(str(e).split())[-300:], flush=True)
+print("after second:", mine(), flush=True)
+"""
+
+
 def test_two_local_runs_at_once_each_use_their_own_cluster_and_cores(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    runs = [subprocess.Popen([sys.executable, "jobs/train_arxiv.py", *SMALL, "--num-workers", "1", "--epochs", "1",
-                              "--storage-path", str(tmp_path), "--name", f"run{i}"],
-                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i in range(2)]
+    env["GNNRAY_CPU_DIR"] = str(tmp_path / "leases")  # where the two see each other
+    args = [*SMALL, "--num-workers", "1", "--epochs", "1", "--storage-path", str(tmp_path)]
+    commands = ([sys.executable, "jobs/train_arxiv.py", *args, "--name", "run0"],
+                [sys.executable, "-c", API_RUNS, *args])
+    runs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for c in commands]
     consoles = []
     for run in runs:
         try:
@@ -42,6 +72,11 @@ def test_two_local_runs_at_once_each_use_their_own_cluster_and_cores(tmp_path):
             run.kill()
         consoles.append(out)
         assert run.returncode == 0, out[-3000:]
+    api = consoles[1]
+    assert "after first: []" in api, api[-3000:]
+    assert re.search(r"second failed: .*registered: \['run-\d+-\d+@", api), api[-3000:]  # registered again
+    assert "after second: []" in api, api[-3000:]
+    consoles[1] = api[:api.index("after first:")]  # the notebook's first run
     clusters = []
     for out in consoles:
         lines = out.splitlines()
@@ -61,37 +96,3 @@ def test_two_local_runs_at_once_each_use_their_own_cluster_and_cores(tmp_path):
     cores = [set(u["cpu_cores"]) for u in used]
     assert all(c < set(host.ids) for c in cores) and not cores[0] & cores[1], used  # both pinned, disjoint
     assert sum(u["cpu_threads"] for u in used) <= host.cores, used  # together no more than the host has
-
-
-API_RUNS = """
-import sys
-from gnnray import leases
-from gnnray.config import parse_args
-from gnnray.driver.fit import run
-
-args = sys.argv[1:]
-run(parse_args(args + ["--name", "first"]))
-print("after first:", leases.runs_on_host(), flush=True)
-
-def broken(in_feats, num_classes, cfg):
-    raise RuntimeError(f"registered: {leases.runs_on_host()}")
-
-try:
-    run(parse_args(args + ["--name", "second", "--max-failures", "0"]), model_factory=broken)
-except Exception as e:
-    print("second failed:", " ".join(str(e).split())[-300:], flush=True)
-print("after second:", leases.runs_on_host(), flush=True)
-"""
-
-
-def test_runs_through_the_python_api_release_their_registration_however_they_end(tmp_path):
-    """A notebook's runs: each registers on the host while it runs and is released when it ends, by returning
-    or by raising, so later runs on the host get the whole of it back."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["GNNRAY_CPU_DIR"] = str(tmp_path / "leases")
-    args = [*SMALL, "--num-workers", "1", "--epochs", "1", "--storage-path", str(tmp_path)]
-    out = subprocess.run([sys.executable, "-c", API_RUNS, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=600).stdout  # a bound, not a speed claim
-    assert "after first: []" in out, out[-3000:]
-    assert re.search(r"second failed: .*registered: \['run-\d+-\d+@", out), out[-3000:]  # registered again
-    assert "after second: []" in out, out[-3000:]

@@ -254,32 +254,3 @@ def test_lookups_ahead_give_the_rows_of_their_step():
             ahead.step()
     assert sum(stale) >= batches - 2  # read ahead of a step that changed the table
     np.testing.assert_array_equal(ahead.store.weight.numpy(), now.store.weight.numpy())
-
-
-@pytest.mark.slow  # two job runs (one epoch each), about 2 min here; the tests above cover the same parts in seconds
-def test_the_job_checkpoints_by_shard_and_resumes_on_one(shard_nodes, tmp_path):
-    """The real job, 2 workers and K=3: each owner writes its rows into the checkpoint Ray Train records; the
-    run then resumes from those files with K=1 (the replicated table), and its checkpoint is one file set."""
-    import json
-
-    from gnnray.config import parse_args
-    from gnnray.driver.fit import run
-
-    args = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "8",
-            "--synthetic-avg-degree", "4", "--fanouts", "5,5", "--batch-size", "256", "--hidden", "16",
-            "--num-workers", "2", "--sampler-actors", "1", "--eval", "sampled", "--embedding-dim", "8",
-            "--checkpoint-interval", "0", "--storage-path", str(tmp_path), "--name", "emb"]
-    sharded = run(parse_args(args + ["--epochs", "1", "--feature-shards", "3"]))
-    shards = checkpoint.read_meta(sharded.checkpoint)["embedding"]["shards"]
-    assert len(shards) == 3 and [s["lo"] for s in shards][0] == 0 and shards[-1]["hi"] == 3000
-    assert "embedding" not in checkpoint.load_state(sharded.checkpoint)  # no process gathered the table
-    rows = checkpoint.read_rows(sharded.checkpoint, 0, 3000)
-    assert rows["step"].max() > 0 and not np.array_equal(rows["weight"], init_rows(0, 0, 3000, 8))
-
-    resumed = run(parse_args(args + ["--epochs", "2"]))
-    lines = (tmp_path / "emb" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
-    assert [(s["lo"], s["hi"]) for s in checkpoint.read_meta(resumed.checkpoint)["embedding"]["shards"]] == \
-        [(0, 3000)]
-    after = checkpoint.read_rows(resumed.checkpoint, 0, 3000)
-    assert (after["step"] >= rows["step"]).all() and after["step"].sum() > rows["step"].sum()  # continued

@@ -1,18 +1,17 @@
-"""What happens between two epochs: sampled validation, the workers' memory reading, checkpoints by interval."""
+"""What happens between two epochs: sampled validation, the workers' memory reading, the checkpoint interval's
+default (checkpoints by interval, end to end: tests/test_job.py)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from types import SimpleNamespace
 
 import psutil
 
 from gnnray.config import JobConfig, ModelConfig, RunConfig, SamplerConfig, TrainConfig, parse_args
-from gnnray.train import checkpoint, evaluate
+from gnnray.train import evaluate
 from gnnray.train.evaluate import Evaluator
 from plain_sage import mean_sage
-from gnnray.storage import METRICS_LOG
 from gnnray.train.report import PrivateMemory
 
 
@@ -78,36 +77,3 @@ def test_private_memory_passes_on_its_last_reading_until_a_new_one_pays(monkeypa
 
 def test_default_checkpoint_interval():
     assert parse_args([]).run.checkpoint_interval == 60.0
-
-
-# One worker, a small synthetic graph: a few seconds an epoch here.
-SMALL = ["--dataset", "synthetic", "--synthetic-nodes", "1000", "--synthetic-feat-dim", "8", "--fanouts", "5,5",
-         "--batch-size", "200", "--hidden", "16", "--num-workers", "1", "--sampler-actors", "1", "--eval", "sampled",
-         "--keep-checkpoints", "10"]
-
-
-def _checkpointed(run_dir) -> list[int]:
-    return sorted(checkpoint.read_info(str(d)).epoch for d in run_dir.glob("checkpoint_*") if d.is_dir())
-
-
-def _logged(run_dir) -> list[int]:
-    return [json.loads(line)["epoch"] for line in (run_dir / METRICS_LOG).read_text().splitlines()]
-
-
-def test_checkpoints_by_interval_and_resume(ray_cluster, tmp_path):
-    """An interval longer than the run writes only the last epoch's checkpoint; 0 writes every epoch's.
-
-    Either way every epoch is logged, and the run resumes after the last checkpoint. One run of each: the
-    second resumes the first under the other interval.
-    """
-    from gnnray.driver.fit import run
-
-    args = SMALL + ["--storage-path", str(tmp_path), "--name", "run"]
-    run(parse_args(args + ["--epochs", "2", "--checkpoint-interval", "3600"]))
-    assert _logged(tmp_path / "run") == [0, 1]
-    assert _checkpointed(tmp_path / "run") == [1]  # only the last epoch's
-
-    summary = run(parse_args(args + ["--epochs", "4", "--checkpoint-interval", "0"]))
-    assert _logged(tmp_path / "run") == [0, 1, 2, 3]  # resumed at epoch 2
-    assert _checkpointed(tmp_path / "run") == [1, 2, 3]  # every epoch's from then on
-    assert summary.metrics["epoch"] == 3 and "test_acc" in summary.metrics
