@@ -18,15 +18,15 @@ from bench import gpu, memory, sharding, wall
 from bench.common import DEFAULT_DATASET, DEFAULT_JSON, Row, Settings, error_row, format_table, machine, start_ray
 from bench.graphs import base_data_config, quick_data_config
 from bench.sampler import ONE_ACTOR, TARGET, bench_sampler
-from bench.training import THROUGHPUT_FIGURE, bench_fast_trainer, bench_training
+from bench.training import bench_fast_trainer
 from gnnray.config import SamplerConfig
 from gnnray.data.load import load_graph
 from gnnray.errors import ConfigError
-from gnnray.data.store import publish
+from gnnray.store.handle import publish
 from gnnray.driver.console import graph_line
 
 # The issue's order; the sharding section (--sharding) runs alone.
-STAGES = ("sampler", "training", "fast", "memory", "gpu", "wall")
+STAGES = ("sampler", "fast", "memory", "gpu", "wall")
 ORDER = ("data-wait", "sampler", "training", wall.FIGURE, "memory", "GPU", sharding.FIGURE, "setup", "")
 
 
@@ -39,14 +39,13 @@ def parse_args(argv=None):
                    help=f"graph directory, or 'synthetic' (when not given: {DEFAULT_DATASET} if present, else "
                    "synthetic)")
     p.add_argument("--cores", type=int, default=None,
-                   help="cores both sides of figure 3 and the whole runs use: the DGL loop's threads, the train "
-                   "workers' CPUs, and their --trainer-threads when fewer than the node's cores (when not given: all)")
-    p.add_argument("--workers", type=int, default=1, help="Ray Train workers for figures 1 and 3")
+                   help="cores both sides of the whole runs use: the DGL loop's threads, the train workers' CPUs, "
+                   "and their --trainer-threads when fewer than the node's cores (when not given: all)")
     p.add_argument("--max-ahead", type=int, default=SamplerConfig().max_ahead,
                    help="the job's --max-ahead in every run: mini-batches the sampler pool may run ahead of each "
                    "train worker")
     p.add_argument("--sharding", action="store_true",
-                   help="run only the --feature-shards section, on a simulated cluster of 4 nodes (bench/sharding.py), "
+                   help="run only the --feature-shards section, on a simulated cluster of 4 nodes (bench/sharding/), "
                    "instead of the figures above; --json then defaults to "
                    f"{DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME}")
     p.add_argument("--stages", default=",".join(STAGES),
@@ -77,12 +76,11 @@ def settings_for(args) -> Settings:
         SamplerConfig(max_ahead=args.max_ahead)  # checked as the job checks it
     except ConfigError as e:
         raise SystemExit(f"bench/benchmark.py: error: {e}") from None
-    s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, workers=args.workers,
-                 max_ahead=args.max_ahead, wall_repeats=args.wall_repeats, wall_only=args.wall_only)
+    s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, max_ahead=args.max_ahead,
+                 wall_repeats=args.wall_repeats, wall_only=args.wall_only)
     if args.quick:
         s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
-                                baseline_warmup=2, baseline_steps=18, memory_batches=2, fast_epochs=3,
-                                wall_epochs=(1, 3))
+                                memory_batches=2, fast_epochs=3, wall_epochs=(1, 3))
     return s
 
 
@@ -118,8 +116,6 @@ def run_figures(args, s: Settings, workdir: Path, result: dict, rows: list[Row])
         handle = publish(graph)
         if want("sampler"):
             rows += guarded(ONE_ACTOR, TARGET, lambda: bench_sampler(graph, handle, full_train_idx, s))
-        if want("training"):
-            rows += guarded(THROUGHPUT_FIGURE, "", lambda: bench_training(data, graph, s, workdir))
         if want("fast"):
             rows += guarded("training, fast trainer", "", lambda: bench_fast_trainer(full_data, graph, s, workdir))
         if want("memory"):

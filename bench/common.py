@@ -1,10 +1,11 @@
-"""What every figure shares: the settings, a table row, thread limits, the machine and the Ray cluster."""
+"""What every figure shares: the settings, a job and its epochs, a table row, thread limits, the machine, Ray."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 import platform
 import re
@@ -41,14 +42,11 @@ class Settings:
     sampler_warmup: int = 32  # several calls of the actor (a call samples one seed block: 16 rows or fewer,
     # as --max-ahead makes them; see gnnray.pipeline.stream)
     sampler_rounds: int = 3  # pipeline runs of 1 actor, each between two plain loops of each baseline
-    # Figure 3: our epochs (steady: all but the first and the last, see training.steady), the DGL loop's steps.
-    epochs: int = 4
-    baseline_warmup: int = 3
-    baseline_steps: int = 40
+    epochs: int = 4  # a job's epochs (steady: all but the first and the last, see training.steady)
     workers: int = 1  # Ray Train workers; they share the cores (see trainer_cpus)
     samplers: int = 1  # sampler actors in the pool
-    max_ahead: int = SamplerConfig().max_ahead  # --max-ahead of every stream (figures 1-3), the job's default
-    ddp_workers: int = 2  # figure 3's extra run: the job with this many DDP workers
+    max_ahead: int = SamplerConfig().max_ahead  # --max-ahead of every stream and job, the job's default
+    ddp_workers: int = 2  # the whole runs' DDP configuration: the job with this many DDP workers
     # The fast trainer (a GPU worker's regime, training.py): a step about as long as sampling a batch.
     fast_fanouts: tuple = (15, 10)
     fast_hidden: int = 32
@@ -69,9 +67,9 @@ class Settings:
         """CPUs of each train worker: all the cores, split between workers.
 
         The sampler actor is not given cores of its own: sampling a batch costs
-        a small fraction of a training step (figure 2 against figure 3), so the
-        trainer's thread pool gets every core, as the DGL loop does. Ray's
-        logical CPUs are oversubscribed to allow it.
+        a small fraction of a training step (figure 2 against a whole run's
+        step), so the trainer's thread pool gets every core, as the DGL loop
+        does. Ray's logical CPUs are oversubscribed to allow it.
         """
         return max(1, self.cores // self.workers)
 
@@ -95,6 +93,18 @@ def job_config(data: DataConfig, s: Settings, workdir: Path, name: str = "bench"
                           eval="sampled", trainer_threads=s.trainer_cpus if s.cores < node_cores() else 0),
         run=RunConfig(name=name, storage_path=str(workdir / "runs"), max_failures=0, seed=s.seed),
     )
+
+
+def metrics_log(cfg: JobConfig) -> Path:
+    """The run's ``metrics.jsonl``: rank 0 appends one JSON line per epoch (runs under a local storage path)."""
+    from gnnray.storage import METRICS_LOG
+
+    return Path(cfg.run.storage_path) / cfg.run.name / METRICS_LOG
+
+
+def epochs_of(cfg: JobConfig) -> list[dict]:
+    """Every epoch's metrics as the job reported them, from :func:`metrics_log`."""
+    return [json.loads(line) for line in metrics_log(cfg).read_text().splitlines() if line.strip()]
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The baselines: the DGL tutorials' training loop in one process, as figure 3 and the wall-time rows run it.
+"""The baseline of the whole runs (:mod:`bench.wall`): the DGL tutorials' training loop in one process.
 
 ``DataLoader(g, train_ids, NeighborSampler(fanouts), batch_size, shuffle=True,
 num_workers=W)``, features gathered with ``feat[input_nodes]``, the job's model
@@ -48,7 +48,7 @@ class DglLoop:
     def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int, affinity: bool = False):
         import torch
 
-        from gnnray.data.store import readonly_tensor
+        from gnnray.store.handle import readonly_tensor
         from gnnray.pipeline.graphbolt import to_dgl
         from bench.dgl_models import DGLModel
         from gnnray.train.model import model_for
@@ -69,7 +69,7 @@ class DglLoop:
     def _loader(self, ids, batch_size: int, shuffle: bool):
         import dgl
 
-        from gnnray.data.store import readonly_tensor
+        from gnnray.store.handle import readonly_tensor
 
         return dgl.dataloading.DataLoader(self._g, readonly_tensor(ids),
                                           dgl.dataloading.NeighborSampler(list(self._cfg.sampler.fanouts)),
@@ -121,29 +121,6 @@ class DglLoop:
                 right += int((self._model(blocks, x).argmax(1) == y).sum())
                 total += int(y.shape[0])
         return right / max(total, 1)
-
-
-def dgl_baseline(graph: Graph, cfg: JobConfig, cores: int, loader_workers: int, warmup: int, steps: int) -> dict:
-    """Seeds/s of the DGL loop with ``cores`` threads, counted after ``warmup`` steps, over ``steps`` steps.
-
-    The steps run on across epochs if the split is small.
-    """
-    from bench.common import threads
-
-    with threads(cores):
-        loop = DglLoop(graph, cfg, loader_workers)
-        stream = loop.steps()
-        for _ in range(warmup):
-            next(stream)
-        seeds, start, cpu = 0, time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            seeds += next(stream)[0]
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-        stream.close()  # ends the loader's sampling process, if any
-    # cpu_share < 1: the machine's other load took cores from the loop (a multi-process job gets more of
-    # a contended machine than one process does, which favours ours: compare on an idle machine).
-    return dict(seeds_per_s=seeds / elapsed, steps=steps, warmup=warmup, step_s=elapsed / steps, threads=cores,
-                loader_workers=loader_workers, device=str(loop.device), cpu_share=cpu / elapsed / cores)
 
 
 def end_to_end(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool = False) -> dict:

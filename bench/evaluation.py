@@ -27,7 +27,7 @@ def main(argv=None) -> int:
 
     from gnnray.config import DataConfig, JobConfig, ModelConfig, SamplerConfig, TrainConfig
     from gnnray.data.load import load_graph
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
     from gnnray.pipeline.prefetch import HostSlot
     from gnnray.pipeline.sampler import Sampler
     from gnnray.train.evaluate import Evaluator

@@ -146,7 +146,7 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
     import dataclasses
 
     from gnnray.config import DataConfig
-    from gnnray.data.store import readonly_tensor
+    from gnnray.store.handle import readonly_tensor
     from gnnray.pipeline.batch import MiniBatch, from_arrow
     from gnnray.pipeline.seeds import SeedPlan
 

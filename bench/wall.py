@@ -1,7 +1,7 @@
 """Whole runs as a user starts them: steady seeds/s and CPU-seconds per epoch from two run lengths, and start-up.
 
 Ours: ``python jobs/train_arxiv.py OPTIONS --epochs E`` in a new process,
-with the options of figure 3's job (:func:`job_argv`: the same graph, model,
+with the benchmark's job options (:func:`job_argv`: the same graph, model,
 fanouts, batch size, ``--max-ahead`` and ``--eval sampled``; threads come from
 the CPU plan, or from ``--cpus-per-worker`` with ``--cpu-plan off``), timed
 from process start to exit. It starts its own local Ray cluster (the
@@ -44,7 +44,7 @@ import typing
 from pathlib import Path
 
 from bench import cpu
-from bench.common import DGL_PYTHON, REPO, Result, Row, Settings, attempt, compare, job_config
+from bench.common import DGL_PYTHON, REPO, Result, Row, Settings, attempt, compare, epochs_of, job_config, metrics_log
 from bench.dgl_loop import RESULT
 from gnnray.config import DataConfig, JobConfig
 
@@ -98,12 +98,9 @@ def timed(name: str, cmd: list[str], on_epoch_log: typing.Optional[Path] = None)
 
 
 def ours(cfg: JobConfig) -> dict:
-    from gnnray.storage import METRICS_LOG
-
     argv = job_argv(cfg)
-    log = Path(cfg.run.storage_path) / cfg.run.name / METRICS_LOG
-    r = timed("train_arxiv.py", [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *argv], log)
-    epochs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    r = timed("train_arxiv.py", [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *argv], metrics_log(cfg))
+    epochs = epochs_of(cfg)
     lines = r.pop("stdout").splitlines()
     if any("already finished" in line for line in lines):  # a resumed, finished run: nothing was measured
         raise RuntimeError(f"run {cfg.run.name!r} under {cfg.run.storage_path} had already finished")

@@ -7,8 +7,8 @@ step  file                        runs on                 output
 ====  ==========================  ======================  =============================================
 0     ``config.py``               driver                  frozen ``JobConfig`` from the command line
 1     ``data/load.py``            driver                  validated numpy ``Graph`` (in-edge CSC, features)
-2     ``data/store.py``           driver, read by all     ``GraphHandle``: the graph once per node, zero-copy
-      ``data/shards.py``          driver; shard nodes     ``--feature-shards K``: features split over K nodes
+2     ``store/handle.py``         driver, read by all     ``GraphHandle``: the graph once per node, zero-copy
+      ``store/shards.py``         driver; shard nodes     ``--feature-shards K``: features split over K nodes
 3     ``pipeline/seeds.py``       driver, sampler actors  ``SeedPlan`` + dataset of row numbers, all epochs
 4     ``pipeline/sampler.py``     sampler actors          packed ``MiniBatch`` rows (``pipeline/batch.py``)
 5     ``pipeline/prefetch.py``    train worker thread     ``MiniBatch`` with features, on the device
@@ -23,9 +23,10 @@ step  file                        runs on                 output
 - ``data/``: the graph type (``graph.py``), its readers (``synthetic.py``,
   ``ogb.py``, ``mag.py``, ``graph_dir.py``; ``typed.py`` fills typed graphs'
   missing features; ``feature_source.py``: where feature rows come from, on any
-  node), the one CSC builder (``csc.py``), its checks (``validate.py``) and
-  its place in the object store (``store.py``, ``shards.py``; ``hidden_rows.py``:
-  the shard servers' hold of layer-wise inference's hidden tables).
+  node), the one CSC builder (``csc.py``) and its checks (``validate.py``).
+- ``store/``: the graph's place in Ray's object store and what serves it there: ``handle.py`` (the graph
+  once per node, zero-copy, read-only), ``shards.py`` (the shard servers of ``--feature-shards``, actors on
+  other nodes) and ``hidden_rows.py`` (the shard servers' hold of layer-wise inference's hidden tables).
 - ``pipeline/``: the batch's path; ``batch.py`` is the one batch type and its
   wire format, ``stream.py`` builds the Ray Data stream in one place;
   ``pick.py`` holds the sampler's kernels (numba), ``graphbolt.py`` DGL's
@@ -46,7 +47,8 @@ step  file                        runs on                 output
   with ``--feature-shards``); ``inference/predict_task.py`` runs the same code in
   one Ray task for ``jobs/predict.py``.
 - Shared by all: ``config.py`` (``fanouts.py``: ``--fanouts``' value type), ``errors.py`` (user-facing exceptions),
-  ``stack.py`` (the versions every node must share with the driver),
+  ``stack.py`` (the versions every node must share with the driver; ``ray_internals.py``: every use of Ray's
+  private modules, read from the Ray that ``stack.py`` pins),
   ``metrics.py`` (Prometheus metrics of workers and sampler actors), ``storage.py`` (the files a run keeps, in a
   directory or an object store, through ``pyarrow.fs``).
 """

@@ -70,7 +70,7 @@ def embedding_row(dev: torch.device, z: dict) -> dict:
     """Host syncs and time per ``train_epoch`` step with a learnable embedding, on the multi-rank path."""
     import time
 
-    from bench.gpu import batches, models
+    from bench.gpu import batches
     from gnnray.pipeline.prefetch import Prefetcher
     from gnnray.train.embedding import NodeEmbedding
     from gnnray.train.step import train_epoch

@@ -87,7 +87,7 @@ def bench_cluster_gathers(cl: SimulatedCluster, ss: ShardSettings, data, out: di
     """Figures 1-3 and the gather half of 4: per-node layout, remote fetch per batch, cache hit rates."""
     import ray
 
-    from gnnray.data.shards import cache_nbytes
+    from gnnray.store.shards import cache_nbytes
     from gnnray.pipeline.sampler import Sampler
 
     row_bytes = ss.feat_dim * 4

@@ -27,7 +27,7 @@ the raylet deletes freed objects in batches, and evicts them sooner when it
 needs room), and the bytes spilled to disk or allocated outside the store.
 Beside them, for K = 3, each server's own count of the hidden rows it held at
 most, and the formulas: its range of two tables, 2 x table / K
-(``data.shards.hidden_nbytes``), against (layers - 1) x table for K = 1.
+(``store.shards.hidden_nbytes``), against (layers - 1) x table for K = 1.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def on_cluster(ss: ShardSettings, data, store_mib: int, verbose: bool) -> dict:
 def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]:
     """K = 3 against K = 1 on nodes with stores of ``store_mib`` (room for K = 1's whole tables) and of
     ``infer_store_mib`` (room for K = 3's ranges only); rows: store peaks, spills, the servers' counts, predictions."""
-    from gnnray.data.shards import hidden_nbytes
+    from gnnray.store.shards import hidden_nbytes
 
     k = max(ss.shards)
     widths = [ss.infer_hidden] * (ss.infer_layers - 1)
@@ -285,7 +285,7 @@ def bench_stores(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]
     import torch
 
     from gnnray.config import parse_args
-    from gnnray.data.shards import hidden_nbytes
+    from gnnray.store.shards import hidden_nbytes
     from gnnray.train.model import build_model
 
     k, runs = max(ss.shards), {}

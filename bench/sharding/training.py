@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from bench.common import Row, Settings, job_config
+from bench.common import Row, Settings, epochs_of, job_config, metrics_log
 from bench.sharding.settings import FIGURE, MIB, ShardSettings
 
 
@@ -29,9 +28,7 @@ def bench_cluster_training(ss: ShardSettings, data, workdir: Path, out: dict) ->
             start = time.perf_counter()
             summary = run(cfg)
             wall_s = time.perf_counter() - start
-            path = Path(cfg.run.storage_path) / name / "metrics.jsonl"
-            epochs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            runs[shards].append(dict(name=name, wall_s=wall_s, last=summary.metrics, epochs=epochs))
+            runs[shards].append(dict(name=name, wall_s=wall_s, last=summary.metrics, epochs=epochs_of(cfg)))
             print(f"  fit.run K={shards}: {summary.metrics['seeds_per_s']:.0f} seeds/s in the last epoch, "
                   f"{wall_s:.0f} s", flush=True)
     out["training"] = dict(runs=runs, config=dict(epochs=ss.epochs, hidden=ss.hidden, train=ss.train_batches
@@ -93,9 +90,8 @@ def bench_cluster_cpu(ss: ShardSettings, data, workdir: Path, out: dict) -> list
             name = f"cpu-{shards}-{pair}"
             cfg = job_config(dataclasses.replace(data, feature_shards=shards, feature_cache=ss.cache), s, workdir,
                              name)
-            log = Path(cfg.run.storage_path) / name / "metrics.jsonl"
             snap = lambda: (time.perf_counter(), tree_cpu_s(os.getpid()), machine_busy_s())  # noqa: E731
-            with on_new_lines(log, snap, every_s=0.05) as snaps:
+            with on_new_lines(metrics_log(cfg), snap, every_s=0.05) as snaps:
                 run(cfg)
             windows = [dict(wall_s=b[0] - a[0], job_cpu_s=b[1] - a[1], machine_cpu_s=b[2] - a[2])
                        for a, b in zip(snaps, snaps[1:])]

@@ -1,7 +1,7 @@
 """Where feature rows come from: sources that produce any row range, on whichever node asks.
 
 With ``--feature-shards K`` the driver never holds the whole feature table:
-each shard's rows are produced on the shard's own node (:mod:`gnnray.data.shards`)
+each shard's rows are produced on the shard's own node (:mod:`gnnray.store.shards`)
 by ``source.rows(lo, hi, label)``. A source is small and picklable: the
 synthetic generator (deterministic per seed and row, whatever the range), a
 memory-mapped ``.npy`` file at the same path on every node (OGB's extracted

@@ -68,7 +68,7 @@ class Graph:
 
     @property
     def types(self) -> dict:
-        """The type names (not arrays): what travels beside the arrays in a :class:`~gnnray.data.store.GraphHandle`."""
+        """The type names (not arrays): what travels beside the arrays in a :class:`~gnnray.store.handle.GraphHandle`."""
         return dict(node_types=self.node_types, edge_types=self.edge_types, target_type=self.target_type)
 
     @property

@@ -51,7 +51,7 @@ def load_structure(cfg: DataConfig, seed: int = 0) -> tuple[Graph, FeatureSource
 
     The graph's ``feat`` is a ``(num_nodes, 0)`` placeholder: with
     ``--feature-shards`` each shard's rows are produced on its own node
-    (:mod:`gnnray.data.shards`), so the driver never holds the whole table.
+    (:mod:`gnnray.store.shards`), so the driver never holds the whole table.
     """
     from gnnray.data import graph_dir, mag, ogb, synthetic, typed
 

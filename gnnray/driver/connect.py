@@ -15,7 +15,7 @@ import socket
 import sys
 import warnings
 
-from gnnray import cpus, stack
+from gnnray import cpus, ray_internals, stack
 from gnnray.config import JobConfig
 from gnnray.driver import preflight
 from gnnray.errors import ClusterError
@@ -45,7 +45,7 @@ def init_ray(cfg: JobConfig) -> bool:
     # anything a user can change: hidden here and in the processes of a local cluster, which inherit it.
     warnings.filterwarnings("ignore", message=_RAY_DEPRECATION)
     if not cfg.run.verbose:  # Ray's notice that a new local cluster uses its default, token authentication
-        drop_records("ray._private.authentication.authentication_token_setup", "Token authentication is enabled")
+        drop_records(ray_internals.TOKEN_SETUP_LOGGER, "Token authentication is enabled")
     local, started = False, None
     if ray.is_initialized() and os.environ.get("RAY_ADDRESS") == _own_address[0] and cfg.train.cpu_plan == "on":  # another run on this process's
         register_run()  # local cluster (the Python API): registered again, under the name its processes carry
@@ -88,9 +88,7 @@ def track_train_state() -> str:
     The state API is served by the dashboard: without it, tracking fails in
     Ray Train's state actor with a traceback. A value the user set is kept.
     """
-    import ray
-
-    url = ray._private.worker.get_dashboard_url() or ""
+    url = ray_internals.dashboard_url()
     answers = bool(url) and _answers(url)
     if TRACKING not in os.environ or _own_tracking[0]:
         _own_tracking[0] = True
@@ -155,25 +153,14 @@ def check_token(address: str, timeout_s: float = preflight.CONNECT_TIMEOUT_S) ->
     if "://" in address or not host or not port.isdigit() or os.environ.get("RAY_USE_TLS", "0") not in ("", "0"):
         return
     import grpc
-    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-    from ray.exceptions import AuthenticationError
 
-    metadata: tuple = ()
-    if get_authentication_mode() == AuthenticationMode.TOKEN:
-        loader = AuthenticationTokenLoader.instance()
-        try:
-            found = loader.has_token()
-        except AuthenticationError:  # how Ray 2.60 says there is none
-            found = False
-        if not found:
-            raise ClusterError(f"RAY_AUTH_MODE=token, but no auth token to join RAY_ADDRESS={address} with. "
-                               f"{_TOKEN_HELP}")
-        metadata = tuple(loader.get_token_for_http_header().items())
+    metadata = ray_internals.auth_token_header()
+    if metadata is None:
+        raise ClusterError(f"RAY_AUTH_MODE=token, but no auth token to join RAY_ADDRESS={address} with. "
+                           f"{_TOKEN_HELP}")
     with grpc.insecure_channel(address) as channel:
         try:
-            gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+            ray_internals.ask_cluster_id(channel, metadata, timeout_s)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNAUTHENTICATED:
                 return  # not the token's fault: ray.init says what is

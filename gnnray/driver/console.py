@@ -78,7 +78,8 @@ def quiet_ray(verbose: bool) -> None:
     import re
 
     import ray.data
-    from ray._private import ray_logging  # the one object that prints other processes' lines here
+
+    from gnnray import ray_internals
 
     # Dropped too: its hint on how to turn on the progress bars gnnray turned off on purpose.
     quiet_console("ray.data", verbose, drop="Progress bars disabled")
@@ -86,7 +87,7 @@ def quiet_ray(verbose: bool) -> None:
     if verbose:
         return
     noise = "|".join(RAY_WORKER_NOISE)
-    for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+    for dedup in ray_internals.log_deduplicators():  # what prints other processes' lines here
         user = dedup.skip_re.pattern if dedup.skip_re else ""  # the user's RAY_DEDUP_LOGS_SKIP_REGEX
         if noise not in user:
             dedup.skip_re = re.compile(f"{user}|{noise}" if user else noise)

@@ -78,10 +78,10 @@ def lost_worker_nodes() -> list[tuple[str, str, list[int]]]:
     lost when its raylet refuses or does not answer a connection.
     """
     import ray
-    from ray.train.v2._internal.state.state_actor import get_state_actor
+    from gnnray import ray_internals
 
     try:
-        state = get_state_actor()
+        state = ray_internals.train_state_actor()
         if state is None:  # state tracking off: nothing recorded
             return []
         runs, attempts = ray.get([state.get_train_runs.remote(), state.get_train_run_attempts.remote()], timeout=10)

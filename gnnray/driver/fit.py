@@ -10,11 +10,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from gnnray import stack, storage
+from gnnray import ray_internals, stack, storage
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
 from gnnray.data.load import check_dataset
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 from gnnray.driver import connect, launch, plans, preflight
 from gnnray.driver.failures import one_line, stack_mismatch
 from gnnray.errors import CheckpointError, ClusterError, ConfigError
@@ -161,26 +161,6 @@ def _plan(cfg: JobConfig, graph: Graph) -> list:
     return plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers)
 
 
-def _start_train_singletons() -> None:
-    """Start the cluster-wide actors Ray Train's controller waits for, if not running yet; do not wait.
-
-    On a new cluster the controller would start each in turn (a process of
-    its own, seconds each) before it starts the workers; started here, they
-    start while the controller does. Each is Ray's own get-or-create of a
-    named detached actor, so the controller finds them.
-    """
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
-    from ray._private.ray_constants import env_bool
-    from ray.train.constants import RAY_TRAIN_ENABLE_STATE_TRACKING
-    from ray.train.v2._internal.state.state_actor import get_or_create_state_actor
-
-    get_or_create_autoscaling_coordinator()
-    if env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False):  # as TorchTrainer decides it
-        get_or_create_state_actor()
-
-
 def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tuple] = None) -> Optional[tuple]:
     """With ``--feature-shards`` and ``--embedding-dim``: the embedding shards' owners, beside the feature shards.
 
@@ -218,7 +198,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     from gnnray.pipeline.stream import execution_options, minibatch_stream
     from gnnray.train.loop import train_loop
 
-    _start_train_singletons()
+    ray_internals.start_train_singletons()
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     workers = cfg.train.workers_max
@@ -286,7 +266,7 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     from gnnray.train.loop import train_loop
     from gnnray.train.report import log_event
 
-    _start_train_singletons()
+    ray_internals.start_train_singletons()
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     log_event(setup.run_dir, "fit", num_workers=list(cfg.train.num_workers))  # attempts count from here

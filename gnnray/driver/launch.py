@@ -15,7 +15,7 @@ from gnnray import storage
 from gnnray.config import JobConfig
 from gnnray.data.feature_source import FeatureSource
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 from gnnray.driver import preflight
 from gnnray.driver.connect import init_ray
 from gnnray.errors import ClusterError
@@ -136,7 +136,7 @@ def _load(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]]):
 def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource:
     """``features.spill`` under the run's directory (``STORAGE_PATH/NAME/feature-spill``)."""
     from gnnray.data.feature_source import spill
-    from gnnray.data.shards import shard_bounds
+    from gnnray.store.shards import shard_bounds
 
     run_dir = storage.run_dir(cfg.run.storage_path, cfg.run.name)
     return spill(source, shard_bounds(source.num_rows, cfg.data.feature_shards),
@@ -163,8 +163,8 @@ def _import_fork_hooks() -> None:
 
 def _publish_sharded(cfg: JobConfig, graph: Graph, source: FeatureSource, local: Optional[bool] = None) -> Published:
     """Publish the structure once per node, then the feature table as ``--feature-shards`` shards (``shards.build``)."""
-    from gnnray.data import shards
-    from gnnray.data.store import publish
+    from gnnray.store import shards
+    from gnnray.store.handle import publish
 
     d = cfg.data
     table = source.num_rows * source.dim * np.dtype(d.feature_dtype).itemsize
@@ -189,7 +189,7 @@ def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes:
     """The nodes to hold the shards; on an autoscaling cluster, wait (saying so) until there are enough."""
     import ray
 
-    from gnnray.data import shards
+    from gnnray.store import shards
     from gnnray.driver import console
 
     driver_node = ray.get_runtime_context().get_node_id()
@@ -209,7 +209,7 @@ def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes:
 
 def rebuild_lost_shards(pub: Published) -> Published:
     """After a failed attempt: make the shards whose node or server was lost again, on alive nodes."""
-    from gnnray.data import shards
+    from gnnray.store import shards
     from gnnray.driver import console
 
     if pub.handle.features is None:
@@ -230,7 +230,7 @@ def publish_checked(cfg: JobConfig, graph: Graph, local: Optional[bool] = None) 
         once the caller drops its reference), its handle (this process owns
         the object: it must outlive every user), and whether the cluster is local.
     """
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
 
     local = init_ray(cfg) if local is None else local
     from gnnray.driver import console  # after Ray started (see load_and_publish)

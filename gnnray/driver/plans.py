@@ -10,7 +10,7 @@ from typing import Optional
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 from gnnray.driver import preflight
 
 

@@ -138,12 +138,11 @@ def check_driver(backend: str) -> dict:
 
 def autoscaling() -> bool:
     """Whether the cluster's autoscaler reported node types it can add (``False`` for local and fixed clusters)."""
-    # The one private Ray call: no public API reads the autoscaler's node types
-    # (ray.autoscaler.sdk only requests resources).
+    # No public API reads the autoscaler's node types (ray.autoscaler.sdk only requests resources).
     try:
-        import ray._private.state
+        from gnnray import ray_internals
 
-        config = ray._private.state.state.get_cluster_config()
+        config = ray_internals.cluster_config()
     except Exception:  # if it moves, do not block a cluster that may scale
         return True
     if not config or not config.node_group_configs:
@@ -258,7 +257,7 @@ def check_layerwise(cfg: JobConfig, num_nodes: int, graph_bytes: int, features, 
     Raises:
         ClusterError: They do not fit and ``--eval-fallback`` is off; it says what a node needs and what to do.
     """
-    from gnnray.data.shards import hidden_nbytes, node_nbytes
+    from gnnray.store.shards import hidden_nbytes, node_nbytes
 
     layers = cfg.sampler.num_layers
     if cfg.train.eval != "layerwise" or layers < 2 or (features is None and cfg.train.workers_max < 2):

@@ -175,9 +175,9 @@ def owned_by(actor) -> Callable[[dict], bool]:
 
     Detached actors (Ray Data's shared trackers) outlive their creator: they are not counted.
     """
-    from ray._private.state import state  # the GCS's own table: answers where no dashboard runs
+    from gnnray import ray_internals
 
-    address = state.actor_table(actor._actor_id.hex()).get("Address", {})
+    address = ray_internals.actor_table(actor._actor_id.hex()).get("Address", {})
     where = (address.get("IPAddress"), address.get("Port"))
     return lambda entry: (not entry["IsDetached"]
                           and (entry["OwnerAddress"]["IPAddress"], entry["OwnerAddress"]["Port"]) == where)
@@ -185,10 +185,10 @@ def owned_by(actor) -> Callable[[dict], bool]:
 
 def wait_until_gone(matches: Callable[[dict], bool], deadline: float, poll_s: float = 0.1) -> bool:
     """Wait until no actor the GCS knows and ``matches`` accepts is still alive, pending or restarting."""
-    from ray._private.state import state
+    from gnnray import ray_internals
 
     while True:
-        live = [a for a in state.actor_table(None).values() if a["State"] != "DEAD" and matches(a)]
+        live = [a for a in ray_internals.actor_table().values() if a["State"] != "DEAD" and matches(a)]
         if not live or time.monotonic() > deadline:
             return not live
         time.sleep(poll_s)

@@ -28,7 +28,7 @@ import torch
 
 from gnnray import storage
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 from gnnray.errors import ConfigError
 from gnnray.stack import check_node
 from gnnray.train.layerwise import SliceRows, supports_layerwise

@@ -13,7 +13,7 @@
   crosses the network once, and it lands in the prefetch slot's buffer
   (pinned on a GPU) it is copied to the device from. Rows are routed to their
   shards by one sort (``shards.route``), and the calls are waited for together
-  under one ``--feature-timeout`` per batch (``shards.wait_calls``): a failure
+  under one ``--feature-timeout`` per batch (``store/calls.py``): a failure
   names the shard and its node, and the calls still pending are cancelled.
 
 Rows land in the buffer's dtype: float16 storage is widened to float32 while
@@ -32,8 +32,9 @@ import numpy as np
 import torch
 
 from gnnray.data.graph import Graph
-from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls
-from gnnray.data.store import readonly_tensor
+from gnnray.store.calls import GATHER, wait_calls
+from gnnray.store.shards import ShardedFeatures, route
+from gnnray.store.handle import readonly_tensor
 
 
 @dataclass
@@ -108,7 +109,7 @@ class ShardedRows(FeatureReader):
     def __init__(self, handle: ShardedFeatures):
         import ray
 
-        from gnnray.data.store import write_protected
+        from gnnray.store.handle import write_protected
 
         super().__init__()
         self._h, self.dim, self.dtype, self.num_rows = handle, handle.dim, np.dtype(handle.dtype), handle.num_rows

@@ -21,7 +21,7 @@ import numpy as np
 
 from gnnray.config import Fanouts
 from gnnray.data.graph import Graph
-from gnnray.data.store import readonly_tensor
+from gnnray.store.handle import readonly_tensor
 from gnnray.data.typed import fanout_table
 from gnnray.errors import ConfigError
 from gnnray.stack import DGL_INSTALL

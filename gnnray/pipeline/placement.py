@@ -25,8 +25,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from gnnray.data.shards import cache_ids
-from gnnray.data.store import readonly_tensor
+from gnnray.store.shards import cache_ids
+from gnnray.store.handle import readonly_tensor
 from gnnray.pipeline.feature_reader import FeatureReader, LocalRows, ShardedRows
 
 # Of the GPU's free memory once the model is there: what a resident table or the UVA cache may take. The rest is

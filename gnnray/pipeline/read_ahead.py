@@ -15,8 +15,8 @@ steps, so the bound that keeps a long run honest is a count of rows.
 
 The policy plugs into Ray Data's executor through ``DataContext``'s
 ``backpressure_policies.enabled`` config, which the dataset carries to the
-process that executes it. Ray Data exports no public base class for it: this
-module is the one place that reads ``ray.data._internal``.
+process that executes it. Ray Data exports no public base class for it: the
+classes come from ``ray.data._internal``, through :mod:`gnnray.ray_internals`.
 
 Why a pause while the bound holds (:class:`PauseWhileHeld`): Ray Data's
 scheduling loop blocks in ``ray.wait`` only while some task runs. With every
@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import time
 
-from ray.data._internal.execution.backpressure_policy import (
+from gnnray.ray_internals import (  # Ray Data's execution internals
     ENABLED_BACKPRESSURE_POLICIES,
     ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY,
     BackpressurePolicy,
+    ExecutionCallback,
 )
-from ray.data._internal.execution.execution_callback import ExecutionCallback
 
 _LIMIT_KEY = "gnnray.max_ahead_rows"
 _OPERATOR_KEY = "gnnray.max_ahead_operator"

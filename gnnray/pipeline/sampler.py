@@ -30,7 +30,7 @@ import ray
 from gnnray.config import Fanouts
 from gnnray.cpus import CpuPolicy
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 from gnnray.data.typed import fanout_table
 from gnnray.pipeline.seeds import SeedPlan, SeedReader
 

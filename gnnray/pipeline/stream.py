@@ -18,7 +18,7 @@ from typing import Optional
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy
 from gnnray.errors import ConfigError
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 from gnnray.pipeline.seeds import SeedPlan
 
 

@@ -352,7 +352,7 @@ class ShardedEmbedding(EmbeddingTable):
 
     def _route(self, ids: np.ndarray):
         """``(order, bounds)``: ``ids[order[bounds[k]:bounds[k + 1]]]`` are owner ``k``'s (as feature shards route)."""
-        from gnnray.data.shards import route
+        from gnnray.store.shards import route
 
         return route(self._starts, ids)
 

@@ -25,7 +25,7 @@ import torch
 
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 from gnnray.pipeline.batch import MiniBatch
 from gnnray.pipeline.feature_reader import FeatureReader, LocalRows
 from gnnray.pipeline.prefetch import HostSlot, Prefetcher

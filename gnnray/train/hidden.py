@@ -3,7 +3,7 @@
 Without shards every node holds each hidden table whole (:func:`gnnray.train.layerwise._share`):
 ``N x width x 4`` bytes per table, 113.7 GB for papers100M at hidden 256. With
 them, the table is cut along the feature shards' node ranges, and shard ``k``'s
-server (:class:`gnnray.data.shards.ShardServer`) holds range ``k``'s rows in
+server (:class:`gnnray.store.shards.ShardServer`) holds range ``k``'s rows in
 its node's store:
 
 - the ranks on shard ``k``'s node split range ``k`` between them and compute it
@@ -13,12 +13,12 @@ its node's store:
 - the next layer reads the rows a chunk needs from each server that holds
   some (:class:`HiddenRows`: one streaming call per chunk and shard, under ``--feature-timeout``),
   in pieces that Ray sends inside its replies, not through the object store
-  (:mod:`gnnray.data.hidden_rows`), and keeps none of them;
+  (:mod:`gnnray.store.hidden_rows`), and keeps none of them;
 - once every rank finished layer ``i``, table ``i - 1`` is dropped.
 
 So a shard node's store holds at most its range's rows of two tables, the one
 a layer reads and the one it writes: 2 x table / K for equal widths
-(:func:`gnnray.data.shards.hidden_nbytes`, checked before training by
+(:func:`gnnray.store.shards.hidden_nbytes`, checked before training by
 :func:`gnnray.driver.preflight.check_layerwise`). docs/scaling.md#where-layer-wise-inferences-hidden-tables-live
 has the measurement.
 """
@@ -30,8 +30,9 @@ from typing import Optional
 
 import numpy as np
 
-from gnnray.data.hidden_rows import piece_rows
-from gnnray.data.shards import GATHER, ShardedFeatures, route, wait_calls, wait_streams
+from gnnray.store.hidden_rows import piece_rows
+from gnnray.store.calls import GATHER, wait_calls, wait_streams
+from gnnray.store.shards import ShardedFeatures, route
 from gnnray.pipeline.feature_reader import FeatureReader
 
 # Chunks a rank may have on their way to the servers while it computes the next one.

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray.train.torch.config import TorchConfig, _TorchBackend
+from ray.train.torch.config import TorchConfig
+
+from gnnray.ray_internals import TorchBackend as _TorchBackend
 
 
 def bind_device() -> None:
@@ -37,9 +39,9 @@ def bind_device() -> None:
 
 def worker_gpu():
     """The GPU Ray gave this worker (Ray Train's own choice, as ``ray.train.torch.get_device`` makes it)."""
-    from ray.air._internal.torch_utils import get_devices
+    from gnnray import ray_internals
 
-    return get_devices()[0]
+    return ray_internals.worker_devices()[0]
 
 
 class _BoundBackend(_TorchBackend):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy
-from gnnray.data.store import GraphHandle
+from gnnray.store.handle import GraphHandle
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ import pytest
 
 from gnnray.data.synthetic import make_synthetic
 from gnnray.data.graph import Graph
-from gnnray.data.store import GraphHandle, publish
+from gnnray.store.handle import GraphHandle, publish
 
 
 def test_graph_is_held_once_per_node(ray_cluster):

@@ -151,7 +151,7 @@ def test_synthetic_hetero_is_deterministic_per_seed():
 
 
 def test_typed_graph_survives_the_object_store(ray_cluster, tmp_path):
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
 
     g = load(write_typed(tmp_path / "g"))
     back = publish(g).get()

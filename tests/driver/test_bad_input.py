@@ -369,7 +369,7 @@ def test_writes_to_the_shared_graph_fail_loudly(ray_cluster):
     import ray
 
     from gnnray.data.synthetic import make_synthetic
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
 
     graph = make_synthetic(4000, 4, 32, 5, seed=0)  # ~0.7 MiB: in the shared store, not inlined
     handle = publish(graph)
@@ -418,7 +418,7 @@ def test_read_only_alias_is_unmapped_with_its_last_view(ray_cluster):
     import gc
 
     from gnnray.data.synthetic import make_synthetic
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
 
     def read_only_store_bytes() -> int:
         total = 0

@@ -250,7 +250,7 @@ def test_elastic_split_makes_the_stream_of_each_group_from_the_newest_checkpoint
     import threading
 
     from gnnray.data.load import load_graph
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
     from gnnray.driver.split import ElasticSplit
     from gnnray.pipeline.batch import MiniBatch, from_arrow
     from gnnray.pipeline.seeds import plan_key

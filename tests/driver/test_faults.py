@@ -176,7 +176,7 @@ def test_sampler_actor_memory_flat_over_epochs(ray_cluster):
     import ray
 
     from gnnray.data.synthetic import make_synthetic
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
 
     graph = make_synthetic(3000, 8, 16, 10, seed=0)
     handle = publish(graph)

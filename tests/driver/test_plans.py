@@ -16,7 +16,7 @@ import pytest
 
 from gnnray.config import parse_args
 from gnnray.data.synthetic import make_synthetic
-from gnnray.data.store import GraphHandle, publish
+from gnnray.store.handle import GraphHandle, publish
 
 JOB = ["--dataset", "synthetic", "--synthetic-nodes", "2000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
        "--batch-size", "128", "--hidden", "32", "--num-workers", "2", "--sampler-actors", "2", "--epochs", "1",
@@ -125,7 +125,7 @@ def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_pat
     from ray._private.state import actors as actor_table
     from ray.experimental import get_object_locations
 
-    import gnnray.data.store
+    import gnnray.store.handle
     import gnnray.driver.fit
 
     head, a, b = nodes
@@ -145,7 +145,7 @@ def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_pat
         published.append(publish(graph))
         return published[-1]
 
-    monkeypatch.setattr(gnnray.data.store, "publish", publish_and_keep)
+    monkeypatch.setattr(gnnray.store.handle, "publish", publish_and_keep)
     before = set(actor_table())
     graph_nodes: set[str] = set()
     stop = threading.Event()
@@ -181,7 +181,7 @@ def _sharded(node_ids: list):
     """A stand-in graph handle whose features have one shard on each of ``node_ids`` (beside_shards reads no more)."""
     from types import SimpleNamespace
 
-    from gnnray.data.shards import Shard, ShardedFeatures
+    from gnnray.store.shards import Shard, ShardedFeatures
 
     shards = tuple(Shard(i * 10, (i + 1) * 10, n, "10.0.0.1", [None], None, [None]) for i, n in enumerate(node_ids))
     return SimpleNamespace(features=ShardedFeatures(shards, 10 * len(node_ids), 4, "float32", None, 60.0))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gnnray.config import parse_args
-from gnnray.data.shards import Shard, ShardedFeatures, cache_nbytes, hidden_nbytes, shard_bounds
+from gnnray.store.shards import Shard, ShardedFeatures, cache_nbytes, hidden_nbytes, shard_bounds
 from gnnray.driver.preflight import Node, check_layerwise
 from gnnray.errors import ClusterError, size_text
 

@@ -125,7 +125,7 @@ def test_shard_servers_embedding_owners_and_the_inference_task_check_their_node(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from gnnray.data.shards import ShardServer
+    from gnnray.store.shards import ShardServer
     from gnnray.inference.predict_task import _predict
     from gnnray.train.embedding import EmbeddingOwner
 
@@ -175,7 +175,7 @@ def test_a_sampler_actor_on_a_node_with_another_stack_refuses_to_start(ray_clust
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from conftest import tiny_graph
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
     from gnnray.pipeline.sampler import SamplerActor
     from gnnray.pipeline.seeds import SeedPlan
 

@@ -16,7 +16,7 @@ import torch
 
 from conftest import shared_dataset, tiny_graph
 from gnnray.config import parse_args
-from gnnray.data.store import publish
+from gnnray.store.handle import publish
 from gnnray.driver import predict
 from gnnray.inference import predict_task as inference
 from gnnray.pipeline.batch import Layer

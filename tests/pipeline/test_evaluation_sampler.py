@@ -8,7 +8,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conftest import tiny_graph
-from gnnray.data.store import publish
+from gnnray.store.handle import publish
 from gnnray.pipeline.sampler import Sampler, start_evaluation_sampler
 
 

@@ -191,7 +191,7 @@ def _servers():
     """(ShardServer actor class, a threaded server that hangs in gather until Ray cancels the call)."""
     import ray
 
-    from gnnray.data.shards import ShardServer
+    from gnnray.store.shards import ShardServer
 
     class Hanging:
         def __init__(self):
@@ -220,7 +220,7 @@ def _far_handle(table: np.ndarray, kinds: list, timeout_s: float = 30):
     holding fewer rows than its shard's range)."""
     import ray
 
-    from gnnray.data.shards import Shard, ShardedFeatures, shard_bounds
+    from gnnray.store.shards import Shard, ShardedFeatures, shard_bounds
 
     served, hanging = _servers()
     bounds = shard_bounds(table.shape[0], len(kinds))

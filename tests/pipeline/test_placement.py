@@ -102,7 +102,7 @@ FAR = "f" * 56
 def _sharded(table: np.ndarray, cache: np.ndarray):
     import ray
 
-    from gnnray.data.shards import Shard, ShardedFeatures, ShardServer, shard_bounds
+    from gnnray.store.shards import Shard, ShardedFeatures, ShardServer, shard_bounds
 
     served = ray.remote(ShardServer).options(num_cpus=0, max_concurrency=8)
     here = ray.get_runtime_context().get_node_id()

@@ -12,7 +12,7 @@ import pytest
 import numpy as np
 
 from gnnray.config import parse_args
-from gnnray.data.store import publish
+from gnnray.store.handle import publish
 from gnnray.data.synthetic import make_synthetic
 from gnnray.errors import ConfigError
 from gnnray.pipeline.batch import from_arrow

@@ -145,7 +145,7 @@ def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster, structure
     import pyarrow as pa
 
     from gnnray.pipeline.batch import from_arrow
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
     from gnnray.pipeline.seeds import SeedPlan
 
     graph = {"int64": tiny_graph, "int32": lambda: compact(tiny_graph()),
@@ -169,7 +169,7 @@ def test_sampler_actor_turns_rows_into_packed_minibatches(ray_cluster, structure
 
 def test_sampler_actor_empty_seed_batch_gives_empty_minibatch(ray_cluster):
     from gnnray.pipeline.batch import from_arrow
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
     from gnnray.pipeline.seeds import SeedPlan
 
     graph = tiny_graph()

@@ -160,7 +160,7 @@ def test_every_rank_trains_its_own_piece_of_every_step(ray_cluster, workers, wor
     import ray.data
 
     from gnnray.config import parse_args
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
     from gnnray.pipeline.stream import execution_options, minibatch_stream
 
     graph = tiny_graph(num_nodes=400, num_edges=2000)

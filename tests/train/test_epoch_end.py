@@ -18,7 +18,7 @@ from gnnray.train.report import PrivateMemory
 def test_evaluation_in_one_batch_on_this_thread_equals_several(ray_cluster, graph, monkeypatch):
     import torch
 
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
 
     # All neighbors: sampling is deterministic, so both ways must agree exactly.
     one = JobConfig(sampler=SamplerConfig(fanouts=(-1, -1)), model=ModelConfig(hidden=8, dropout=0.0),
@@ -46,7 +46,7 @@ def test_eval_fanouts_are_what_evaluation_draws(ray_cluster, graph):
     """
     import torch
 
-    from gnnray.data.store import publish
+    from gnnray.store.handle import publish
 
     handle = publish(graph)
 

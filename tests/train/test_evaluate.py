@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_graph
 from gnnray.config import JobConfig, ModelConfig, SamplerConfig, TrainConfig
-from gnnray.data.store import publish
+from gnnray.store.handle import publish
 from gnnray.train.evaluate import Evaluator
 from plain_sage import mean_sage, whole_graph
 

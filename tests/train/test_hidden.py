@@ -20,7 +20,7 @@ import ray.cloudpickle as cloudpickle
 
 from gnnray.config import DataConfig, JobConfig
 from gnnray.data.load import load_graph
-from gnnray.data.shards import Shard, ShardedFeatures, hidden_nbytes, shard_bounds
+from gnnray.store.shards import Shard, ShardedFeatures, hidden_nbytes, shard_bounds
 from gnnray.pipeline.feature_reader import LocalRows
 from gnnray.train.hidden import assign
 from gnnray.train.layerwise import infer

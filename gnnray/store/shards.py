@@ -20,21 +20,22 @@ first time a process there reads it.
 Lost shards (:func:`repair`, after a failed attempt) are made again from the
 same source, each on its own alive node that still has room for it.
 
-What readers do with this handle is :mod:`gnnray.pipeline.feature_reader`.
+What readers do with this handle is :mod:`gnnray.pipeline.feature_reader`; how they wait for the servers'
+answers, :mod:`gnnray.store.calls`.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
 
 from gnnray.data.feature_source import FeatureSource, check_finite
-from gnnray.data.hidden_rows import HiddenRowsHeld
-from gnnray.errors import ClusterError, FeatureShardError, GnnrayError, last_line, size_text
+from gnnray.errors import ClusterError, FeatureShardError, size_text
 from gnnray.stack import check_node
+from gnnray.store.calls import GATHER, wait_calls
+from gnnray.store.hidden_rows import HiddenRowsHeld
 
 # Share of a node's object store the graph may take (as preflight.GRAPH_STORE_FRACTION): the rest holds
 # mini-batches in flight and the rows being fetched.
@@ -283,102 +284,6 @@ def route(starts: np.ndarray, ids: np.ndarray, skip: Optional[np.ndarray] = None
         owner[skip] = len(starts)
     order = np.argsort(owner, kind="stable")
     return order, np.searchsorted(owner[order], np.arange(len(starts) + 1))
-
-
-# What wait_calls says of a failed gather call (and how it knows to name --feature-timeout).
-GATHER = "did not deliver rows"
-
-
-def wait_calls(calls: list, timeout_s: float, failing: str, each: Optional[Callable] = None,
-               cancel: bool = True) -> list:
-    """The results of ``calls`` (``(shard, ObjectRef)`` pairs), waited for together under one deadline.
-
-    ``each(i, result)`` runs as each result arrives (the rest may still be on the way). The first failure
-    (timeout, dead server, lost object, error in the call) raises :class:`FeatureShardError` naming the
-    shard and its node (at the deadline: every shard still pending), after cancelling the calls still
-    pending if ``cancel``. A user-facing error inside a call (e.g. a :class:`DatasetError` of a shard task)
-    is raised as itself.
-    """
-    import ray
-
-    refs = [ref for _, ref in calls]
-    index = {ref: i for i, ref in enumerate(refs)}
-    results: list = [None] * len(calls)
-    pending, deadline = refs, time.monotonic() + timeout_s
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                _late([calls[index[r]][0] for r in pending], timeout_s, failing)
-            for ref in ready:
-                i = index[ref]
-                results[i] = _result(calls[i][0], ref, failing)
-                if each is not None:
-                    each(i, results[i])
-    except BaseException:
-        for ref in pending if cancel else ():  # nobody waits for them any more: spare the servers the work
-            try:
-                ray.cancel(ref)
-            except Exception:
-                pass
-        raise
-    return results
-
-
-def wait_streams(calls: list, timeout_s: float, failing: str, each: Callable) -> None:
-    """:func:`wait_calls` for streaming calls (``(shard, ObjectRefGenerator)`` pairs): ``each(i, piece)`` for every
-    piece call ``i`` yields, in order per call, as they arrive; the same deadline and errors."""
-    import ray
-
-    index = {id(g): i for i, (_, g) in enumerate(calls)}
-    pending, deadline = [g for _, g in calls], time.monotonic() + timeout_s
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                _late([calls[index[id(g)]][0] for g in pending], timeout_s, failing)
-            for g in ready:
-                i = index[id(g)]
-                try:
-                    ref = next(g)
-                except StopIteration:  # every piece of this call arrived
-                    continue
-                each(i, _result(calls[i][0], ref, failing))
-                pending.append(g)
-    except BaseException:
-        for g in pending:  # nobody waits for them any more: spare the servers the work
-            try:
-                ray.cancel(g)
-            except Exception:
-                pass
-        raise
-
-
-def _late(shards: list, timeout_s: float, failing: str):
-    raise FeatureShardError(" and ".join(f"feature shard {s.lo}:{s.hi} on {s.where()}" for s in shards)
-                            + f" {failing}: no answer within {timeout_s:g}s"
-                            + (" (--feature-timeout)" if failing == GATHER else ""))
-
-
-def _result(shard: Shard, ref, failing: str):
-    import ray
-    import ray.exceptions as rex
-
-    try:
-        return ray.get(ref)
-    except rex.RayActorError as exc:
-        why = f"its server died, node lost? ({last_line(exc)})"
-    except rex.ObjectLostError as exc:
-        why = f"the result was lost before it arrived, node lost? ({type(exc).__name__})"
-    except rex.TaskCancelledError:
-        why = "the call was cancelled"
-    except rex.RayTaskError as exc:
-        if isinstance(exc.cause, GnnrayError):
-            raise exc.cause from None
-        why = f"the call failed: {last_line(exc)}"
-    except rex.RayError as exc:
-        why = last_line(exc)
-    raise FeatureShardError(f"feature shard {shard.lo}:{shard.hi} on {shard.where()} {failing}: {why}") from None
 
 
 def _build_cache(handle: ShardedFeatures, indptr: np.ndarray, fraction: float) -> Optional[list]:

@@ -1,11 +1,11 @@
-"""A shard server's hold of layer-wise inference's hidden rows (``gnnray.data.hidden_rows``), in this process."""
+"""A shard server's hold of layer-wise inference's hidden rows (``gnnray.store.hidden_rows``), in this process."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gnnray.data.hidden_rows import PIECE_BYTES, HiddenRowsHeld, piece_rows
+from gnnray.store.hidden_rows import PIECE_BYTES, HiddenRowsHeld, piece_rows
 
 
 def _rows(lo: int, hi: int, width: int = 8, shift: float = 0.0) -> np.ndarray:

@@ -39,7 +39,7 @@ class GraphHandle:
     nbytes: int
     name: str
     types: Optional[dict] = None  # a typed graph's type names (Graph.types); its type arrays are in the store
-    # --feature-shards K > 1: the sharded table (gnnray.data.shards.ShardedFeatures); the graph's own ``feat``
+    # --feature-shards K > 1: the sharded table (gnnray.store.shards.ShardedFeatures); the graph's own ``feat``
     # is then a (num_nodes, 0) placeholder and ``feat_dim`` is the table's.
     features: Optional[Any] = None
 

@@ -28,7 +28,7 @@ def piece_rows(width: int) -> int:
 
 
 class HiddenRowsHeld:
-    """Base of :class:`gnnray.data.shards.ShardServer`: the hidden rows of one evaluation at a time."""
+    """Base of :class:`gnnray.store.shards.ShardServer`: the hidden rows of one evaluation at a time."""
 
     def __init__(self):
         self._lock = threading.Lock()  # calls run on up to max_concurrency threads

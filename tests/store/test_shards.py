@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gnnray.data.feature_source import ArrayRows, Normalized, NpyRows, RandomRows, SyntheticRows
-from gnnray.data.shards import cache_ids, choose_nodes, shard_bounds
+from gnnray.store.shards import cache_ids, choose_nodes, shard_bounds
 from gnnray.driver.preflight import Node
 from gnnray.errors import ClusterError
 from s3_server import STORAGE_KINDS
@@ -86,7 +86,7 @@ def test_lost_shards_go_to_distinct_nodes_that_fit_them():
 
 
 def test_route_groups_rows_as_one_mask_per_shard_would():
-    from gnnray.data.shards import route
+    from gnnray.store.shards import route
 
     rng = np.random.default_rng(0)
     starts = shard_bounds(10_000, 5)[:-1]

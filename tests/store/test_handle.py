@@ -15,7 +15,7 @@ import torch
 from conftest import mapping_perms, tiny_graph
 from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
-from gnnray.data.store import publish
+from gnnray.store.handle import publish
 from gnnray.pipeline.graphbolt import to_dgl  # imports DGL when called
 
 ARRAYS = ("indptr", "indices", "feat", "label", "train_idx", "valid_idx", "test_idx")

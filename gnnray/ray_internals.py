@@ -1,0 +1,128 @@
+"""Every use of Ray's private modules, in one place: what gnnray needs that no public Ray API gives.
+
+Each was read from Ray 2.60.0, the version :data:`gnnray.stack.RAY` pins and every node of a run must run
+(:mod:`gnnray.stack`). When that pin moves, this is the file to read again against the new Ray; a test
+(tests/test_layout.py) keeps private Ray out of every other module of the package.
+
+Imports are lazy: importing this module costs nothing, and each function loads only what it uses. The
+base classes gnnray subclasses (Ray Data's backpressure policy and execution callback in
+``pipeline/read_ahead.py``, Ray Train's torch backend in ``train/process_group.py``) come as this module's
+attributes, loaded on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# The logger of Ray's notice that a new local cluster uses its default, token authentication
+# (ray/_private/authentication/authentication_token_setup.py).
+TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+# Name here -> (module, name there): Ray Data's execution internals that read_ahead.py builds on, and the
+# backend Ray Train's TorchConfig starts (process_group.py binds each rank's device in it).
+_LAZY = {
+    "BackpressurePolicy": ("ray.data._internal.execution.backpressure_policy", "BackpressurePolicy"),
+    "ENABLED_BACKPRESSURE_POLICIES": ("ray.data._internal.execution.backpressure_policy",
+                                      "ENABLED_BACKPRESSURE_POLICIES"),
+    "ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY": ("ray.data._internal.execution.backpressure_policy",
+                                                 "ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY"),
+    "ExecutionCallback": ("ray.data._internal.execution.execution_callback", "ExecutionCallback"),
+    "TorchBackend": ("ray.train.torch.config", "_TorchBackend"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, there = _LAZY[name]
+        return getattr(importlib.import_module(module), there)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def start_train_singletons() -> None:
+    """Start the cluster-wide actors Ray Train's controller waits for, if not running yet; do not wait.
+
+    On a new cluster the controller would start each in turn (a process of
+    its own, seconds each) before it starts the workers; started here, they
+    start while the controller does. Each is Ray's own get-or-create of a
+    named detached actor, so the controller finds them.
+    """
+    from ray._private.ray_constants import env_bool
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+    from ray.train.constants import RAY_TRAIN_ENABLE_STATE_TRACKING
+    from ray.train.v2._internal.state.state_actor import get_or_create_state_actor
+
+    get_or_create_autoscaling_coordinator()
+    if env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False):  # as TorchTrainer decides it
+        get_or_create_state_actor()
+
+
+def worker_devices() -> list:
+    """The devices Ray gave this train worker (Ray Train's own choice, as ``ray.train.torch.get_device`` makes
+    it)."""
+    from ray.air._internal.torch_utils import get_devices
+
+    return get_devices()
+
+
+def train_state_actor():
+    """Ray Train's state actor (the record the dashboard's Train view shows), or ``None`` with tracking off."""
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    return get_state_actor()
+
+
+def actor_table(actor_id: Optional[str] = None) -> dict:
+    """The GCS's own actor table (one entry by hex id, or all by id): it answers where no dashboard runs."""
+    from ray._private.state import state
+
+    return state.actor_table(actor_id)
+
+
+def cluster_config():
+    """The autoscaler's cluster config as the GCS holds it (``None`` where none was reported)."""
+    import ray._private.state
+
+    return ray._private.state.state.get_cluster_config()
+
+
+def dashboard_url() -> str:
+    """The connected cluster's dashboard address, ``""`` where it has none."""
+    import ray._private.worker
+
+    return ray._private.worker.get_dashboard_url() or ""
+
+
+def log_deduplicators() -> tuple:
+    """The two objects that print other processes' stdout and stderr lines on the driver's console."""
+    from ray._private import ray_logging
+
+    return ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator
+
+
+def auth_token_header() -> Optional[tuple]:
+    """What Ray sends a GCS under token authentication (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``): ``()`` without it, ``None`` when it is on and no token
+    is found, else the header's items."""
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
+    from ray.exceptions import AuthenticationError
+
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        return ()
+    loader = AuthenticationTokenLoader.instance()
+    try:
+        found = loader.has_token()
+    except AuthenticationError:  # how Ray 2.60 says there is none
+        found = False
+    return tuple(loader.get_token_for_http_header().items()) if found else None
+
+
+def ask_cluster_id(channel, metadata: tuple, timeout_s: float) -> None:
+    """One ``GetClusterId`` call to the GCS on a gRPC ``channel``: raises ``grpc.RpcError`` as the GCS answers."""
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+        gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
