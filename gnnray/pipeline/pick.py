@@ -219,10 +219,12 @@ def warm_up(indptr_dtype, indices_dtype, etype_dtype=None) -> None:
     """Compile the kernels for a graph of these dtypes, or load them from numba's cache (about 3 s to compile on
     a 2-core machine, 0.3 s to load): the driver calls it while Ray starts, so that the sampler actors on its
     node find them compiled."""
-    indptr, nodes = np.zeros(2, indptr_dtype), np.zeros(1, indices_dtype)
+    indptr, indices, nodes = np.zeros(2, indptr_dtype), np.zeros(0, indices_dtype), np.zeros(1, indices_dtype)
     etype = None if etype_dtype is None else np.zeros(0, etype_dtype)
-    offsets, picked, _ = sample_layer(indptr, np.zeros(0, indices_dtype), nodes, np.ones(1, np.int64), etype, 0,
-                                      Threads(1))
+    for a in (indptr, indices, etype):  # read-only, as the store hands them over: numba compiles those apart
+        if a is not None:
+            a.setflags(write=False)
+    offsets, picked, _ = sample_layer(indptr, indices, nodes, np.ones(1, np.int64), etype, 0, Threads(1))
     src = np.empty(1, indices_dtype)
     relabel(nodes, picked, np.zeros(1, np.int32 if np.dtype(indices_dtype).itemsize == 4 else np.int64),
             np.empty(0, indices_dtype), src)

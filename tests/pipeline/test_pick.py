@@ -10,7 +10,6 @@ biases, so that it can tell.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
@@ -276,3 +275,20 @@ def test_graphbolt_and_ours_keep_the_same_edges_per_relation():
         a, b = slice(int(ours.indptr[j]), int(ours.indptr[j + 1])), slice(int(theirs.indptr[j]), int(theirs.indptr[j + 1]))
         assert np.bincount(ours.etype[a].numpy(), minlength=6).tolist() == \
             np.bincount(theirs.etype[b].numpy(), minlength=6).tolist()
+
+
+def test_warm_up_compiles_what_sampling_a_graph_from_the_store_needs():
+    """The driver's warm-up compiles (or loads) the kernels for the sampler actors' graph, read-only arrays from
+    the store (numba compiles a read-only array's signature apart): their first batch compiles nothing."""
+    import numba
+
+    from gnnray.pipeline import pick
+
+    kernels = [f for f in vars(pick).values() if isinstance(f, numba.core.registry.CPUDispatcher)]
+    graph = tiny_graph(num_nodes=500, num_edges=4000)
+    for a in (graph.indptr, graph.indices):
+        a.setflags(write=False)
+    pick.warm_up(graph.indptr.dtype, graph.indices.dtype)
+    compiled = {f: set(f.signatures) for f in kernels}
+    Sampler(graph, (5, 5)).sample(graph.train_idx)
+    assert {f.__name__: set(f.signatures) - compiled[f] for f in kernels if set(f.signatures) - compiled[f]} == {}
