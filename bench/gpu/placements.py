@@ -1,8 +1,9 @@
 """The job's steady step against the ceiling, per ``--feature-placement``: ``python -m bench.gpu.placements``.
 
 For each graph (arxiv structure with 128 random features, fanouts 10,10,10; the
-products-shaped synthetic graph, fanouts 15,10,5) and each placement (host,
-device, uva), a whole Ray job (``jobs/train_arxiv.py``, one train worker) runs
+products-shaped synthetic graph, fanouts 15,10,5) and each row
+(``--feature-placement``/``--sample-on``: host/actors, device/actors,
+uva/actors, device/device by default; ``auto/auto`` is what a user gets), a whole Ray job (``jobs/train_arxiv.py``, one train worker) runs
 and its steady step is read from ``metrics.jsonl`` (median over the epochs after
 the first: epoch time / steps), beside its ``data_wait`` (median). The ceiling,
 measured in the same call on the same device: model + loss + Adam
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-PLACEMENTS = ("host", "device", "uva")
+ROWS = ("host/actors", "device/actors", "uva/actors", "device/device")
 COMMON = ["--batch-size", "1024", "--hidden", "256", "--num-workers", "1", "--eval", "sampled"]
 
 
@@ -43,17 +44,27 @@ def graphs(arxiv: str, smoke: bool) -> dict:
     return {
         "arxiv-structure": ["--dataset", arxiv, "--random-features", "128", "--fanouts", "10,10,10"],
         "products-shaped": ["--dataset", "synthetic", "--synthetic-nodes", "1000000", "--synthetic-avg-degree", "50",
-                            "--synthetic-feat-dim", "100", "--synthetic-classes", "47", "--fanouts", "15,10,5"],
+                            "--synthetic-feat-dim", "100", "--synthetic-classes", "47", "--fanouts", "15,10,5",
+                            # Evaluation is not part of the step: with the training fanouts it takes most of a run.
+                            "--eval-fanouts", "5,5,5", "--eval-batch-size", "1024"],
     }
 
 
-def job(options: list, placement: str, use_gpu: bool, epochs: int, actors: int, steps: int, timeout_s: float) -> dict:
-    """One job's steady step (s) and data_wait, from its metrics.jsonl (``steps``: an epoch's)."""
+def job(options: list, row: str, use_gpu: bool, epochs: int, actors: int, steps: int, timeout_s: float,
+        console: str = "") -> dict:
+    """One job's steady step (s) and data_wait, from its metrics.jsonl (``steps``: an epoch's); ``row`` is
+    ``placement/sample_on``. ``console``: a file for the job's whole stdout and stderr."""
+    placement, sample_on = row.split("/")
     with tempfile.TemporaryDirectory() as runs:
         cmd = [sys.executable, "jobs/train_arxiv.py", *COMMON, *options, "--feature-placement", placement,
-               "--use-gpu", "yes" if use_gpu else "no", "--epochs", str(epochs),
+               "--sample-on", sample_on, "--use-gpu", "yes" if use_gpu else "no", "--epochs", str(epochs),
                "--sampler-actors", f"{actors},{actors}", "--storage-path", runs, "--name", "bench"]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        try:
+            done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            done = subprocess.CompletedProcess(cmd, -9, _text(exc.stdout), _text(exc.stderr) + "\n(timed out)")
+        if console:
+            Path(console).write_text(f"$ {' '.join(cmd)}\n--- stdout\n{done.stdout}--- stderr\n{done.stderr}")
         if done.returncode:
             raise RuntimeError(f"job failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
         rows = [json.loads(line) for line in open(os.path.join(runs, "bench", "metrics.jsonl"))]
@@ -62,7 +73,12 @@ def job(options: list, placement: str, use_gpu: bool, epochs: int, actors: int, 
     placed = [e for e in events if e["event"] == "features"]
     return dict(step_s=statistics.median(r["epoch_time"] for r in steady) / steps,
                 data_wait=statistics.median(r["data_wait"] for r in steady),
-                did=placed[-1] if placed else None, console=done.stdout.splitlines()[:6])
+                did=placed[-1] if placed else None, console=done.stdout.splitlines()[:6],
+                console_lines=len(done.stdout.splitlines()) + len(done.stderr.splitlines()))
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def ceiling(options: list, dev: torch.device, batches: int, passes: int = 3) -> dict:
@@ -107,6 +123,9 @@ def main(argv=None) -> int:
                    help="sampler actors of each job")
     p.add_argument("--ceiling-batches", type=int, default=40)
     p.add_argument("--only", nargs="*", help="graphs to run (default: all)")
+    p.add_argument("--rows", nargs="*", default=list(ROWS), help="placement/sample_on rows (default: %(default)s)")
+    p.add_argument("--job-timeout", type=float, default=1800, help="seconds a job may take")
+    p.add_argument("--console", default="", help="a folder for each job's whole console (GRAPH-PLACEMENT-ON.txt)")
     p.add_argument("--json", default=str(REPO / "bench-results" / "gpu-placements.json"))
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.smoke
@@ -123,22 +142,30 @@ def main(argv=None) -> int:
         out[name] = {"ceiling": top}
         print(f"\n{name}: ceiling {top['step_s'] * 1e3:.2f} ms a step ({top['input_nodes']:.0f} input nodes, "
               f"{top['feature_mb']:.0f} MB of features a batch)")
-        print(f"  {'placement':<10}{'step ms':>9}{'ceiling ms':>12}{'ratio':>8}{'data_wait':>11}  worker did")
-        for placement in PLACEMENTS:
-            if placement != "host" and not cuda and not a.smoke:
+        print(f"  {'placement/sample_on':<20}{'step ms':>9}{'ceiling ms':>12}{'ratio':>8}{'data_wait':>11}"
+              f"{'lines':>7}  worker did", flush=True)
+        for row in a.rows:
+            if not row.startswith("host") and not cuda and not a.smoke:
                 continue
+            console = ""
+            if a.console:
+                Path(a.console).mkdir(parents=True, exist_ok=True)
+                console = os.path.join(a.console, f"{name}-{row.replace('/', '-')}.txt")
             try:
-                r = job(options, placement, cuda, epochs, actors, top["steps"], timeout_s=1800)
+                r = job(options, row, cuda, epochs, actors, top["steps"], a.job_timeout, console)
             except Exception as exc:  # the other rows still run
                 failed = True
-                out[name][placement] = {"error": str(exc)}
-                print(f"  {placement:<10} failed: {str(exc)[-300:]}")
+                out[name][row] = {"error": str(exc)}
+                print(f"  {row:<20} failed: {str(exc)[-600:]}", flush=True)
                 continue
-            out[name][placement] = r
+            out[name][row] = r
             did = r["did"] or {}
-            print(f"  {placement:<10}{r['step_s'] * 1e3:>9.2f}{top['step_s'] * 1e3:>12.2f}"
-                  f"{r['step_s'] / top['step_s']:>8.2f}{r['data_wait']:>11.2f}  {did.get('placement', '?')} "
-                  f"{did.get('note', '')}")
+            print(f"  {row:<20}{r['step_s'] * 1e3:>9.2f}{top['step_s'] * 1e3:>12.2f}"
+                  f"{r['step_s'] / top['step_s']:>8.2f}{r['data_wait']:>11.2f}{r['console_lines']:>7}  "
+                  f"{did.get('placement', '?')} {did.get('note', '')}", flush=True)
+            for line in r["console"]:
+                if line.startswith(("sampling plan", "features")):
+                    print(f"    {line}", flush=True)
         out[name]["seconds"] = time.monotonic() - started
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1))

@@ -33,12 +33,15 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool) -> JobConfig:
     """``cfg`` with ``--sample-on`` resolved to actors or device (:func:`gnnray.pipeline.pace.sample_on`), printed
     where there was a choice (a GPU run, or one that named it): a CPU run's console stays as it was."""
     from gnnray.driver import console
-    from gnnray.pipeline.pace import check_device_sampling, csc_bytes, gpu_bytes, sample_on
+    from gnnray.pipeline.pace import check_device_sampling, csc_bytes, gpu_bytes, measured_pace, sample_on
 
     gpus = [n for n in preflight.nodes() if n.gpus > 0]
     requested = cfg.sampler.sample_on
+    pace = {}
+    if requested == "auto" and use_gpu and cfg.sampler.backend == "native":  # this graph's pace, not a figure's
+        pace["seeds_per_core"] = measured_pace(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
     where, why = sample_on(requested, use_gpu, csc_bytes(graph), gpu_bytes() if use_gpu else None,
-                           min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size)
+                           min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size, **pace)
     cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where))
     check_device_sampling(cfg)
     if use_gpu or requested != "auto":

@@ -23,7 +23,8 @@ but from torch's generator: the same distribution, not the same picks.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional, Sequence, Union
+import contextlib
+from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from gnnray.data.graph import Graph
 from gnnray.data.typed import fanout_table
 from gnnray.pipeline.batch import Layer, MiniBatch, check_fits, id_dtype
 from gnnray.pipeline.pick import batch_key
+from gnnray.pipeline.prefetch import HostSlot, Prefetcher
 
 _KEY_BITS = 32  # random bits a candidate edge gets; runs are numbered in the bits above
 
@@ -81,7 +83,6 @@ class DeviceSampler:
             gen = torch.Generator(self.device)
             gen.manual_seed(batch_key(self._seed, epoch, batch, i) & (2**63 - 1))
             offsets, picked, etype = self._pick(nodes, fanout, gen)
-            check_fits(offsets[-1], np.dtype(self.id_dtype))
             local, src = _relabel(nodes, picked)
             layers.append(Layer(offsets.to(self._ids), local.to(self._ids), int(src.shape[0]), etype))
             nodes = src.to(self._ids)
@@ -89,36 +90,53 @@ class DeviceSampler:
         return MiniBatch(seeds, self._label[seeds.long()].long(), nodes, layers, epoch=epoch)
 
     def _pick(self, nodes: torch.Tensor, fanout: torch.Tensor, gen: torch.Generator):
-        """One layer: CSC offsets (int64), the picked sources' global ids and, typed, their relation codes."""
+        """One layer: CSC offsets (int64), the picked sources' global ids and, typed, their relation codes.
+
+        Sizes are read back to the host as few times as the shapes need (each read waits for the device):
+        untyped, once for the candidates and the picks together, then once in :func:`_relabel`.
+        """
         dev, n = self.device, nodes.shape[0]
         nodes = nodes.long()
         start = self._indptr[nodes].long()
         degree = self._indptr[nodes + 1].long() - start
-        total = int(degree.sum())
+        if self._etype is None:  # runs are destinations: every size is known from the degrees
+            take = torch.where((fanout < 0) | (degree <= fanout), degree, fanout)
+            total, picks = torch.stack([degree.sum(), take.sum()]).tolist()
+        else:
+            total = int(degree.sum())
         # Every candidate in-edge: its destination's row and its position in the CSC.
         row = torch.repeat_interleave(torch.arange(n, device=dev), degree, output_size=total)
         first = torch.cumsum(degree, 0) - degree
         pos = start[row] + (torch.arange(total, device=dev) - first[row])
         # Runs: a destination's in-edges of one relation (sorted by relation in the CSC); untyped, one per node.
         if self._etype is None:
-            run, run_fanout = row, fanout.expand(n)
+            run, size, run_start = row, degree, first
         else:
             code = self._etype[pos]
             new = torch.ones(total, dtype=torch.bool, device=dev)
             new[1:] = (row[1:] != row[:-1]) | (code[1:] != code[:-1])
             run = torch.cumsum(new, 0) - 1
             run_fanout = fanout[code[new]]
-        runs = int(run_fanout.shape[0])
-        size = torch.bincount(run, minlength=runs)
-        take = torch.where((run_fanout < 0) | (size <= run_fanout), size, run_fanout)
-        # Within each run, a uniformly random order (stable sort keeps runs in place), then its first `take`.
+            size = torch.zeros(run_fanout.shape[0], dtype=torch.int64, device=dev)
+            size.index_add_(0, run, torch.ones_like(run))
+            take = torch.where((run_fanout < 0) | (size <= run_fanout), size, run_fanout)
+            picks = int(take.sum())
+            run_start = torch.cumsum(size, 0) - size
+        check_fits(picks, np.dtype(self.id_dtype))
+        # Within each run, a uniformly random order (stable sort keeps runs in place), then its first `take`:
+        # positions run_start[r] + j, j < take[r], of the sorted order.
         key = torch.randint(0, 2**_KEY_BITS, (total,), generator=gen, device=dev, dtype=torch.int64)
         order = torch.sort((run << _KEY_BITS) | key, stable=True).indices
-        run_start = torch.cumsum(size, 0) - size
-        rank = torch.arange(total, device=dev) - run_start[run]  # runs are in place: run[order] == run
-        chosen = order[rank < take[run]]
+        runs = torch.arange(take.shape[0], device=dev)
+        of_pick = torch.repeat_interleave(runs, take, output_size=picks)
+        take_start = torch.cumsum(take, 0) - take
+        chosen = order[run_start[of_pick] + (torch.arange(picks, device=dev) - take_start[of_pick])]
         picked_pos = pos[chosen]
-        counts = torch.bincount(row[chosen], minlength=n)
+        if self._etype is None:
+            counts = take
+        else:
+            counts = torch.zeros(n, dtype=torch.int64, device=dev)
+            counts.index_add_(0, row[chosen], torch.ones_like(chosen))
         offsets = torch.zeros(n + 1, dtype=torch.int64, device=dev)
         torch.cumsum(counts, 0, out=offsets[1:])
         etype = None
@@ -148,52 +166,59 @@ def _relabel(nodes: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, t
     return number[inverse[n:]], ids[order]
 
 
-class DeviceBatches:
+class DeviceBatches(Prefetcher):
     """A rank's seed rows as sampled mini-batches on the device, features in ``x`` (``--sample-on device``).
 
-    The seeds go to the device first, are sampled there, and the batch's
-    input features are gathered for its ``input_nodes`` and moved beside it:
-    the same batches the :class:`~gnnray.pipeline.prefetch.Prefetcher` yields
-    from the actors' stream (labels int64, features float32). Sampling is
-    queued on the device's stream ahead of the step that follows, so it
-    needs no thread of its own.
+    The seeds go to the device first and are sampled there, on the
+    :class:`~gnnray.pipeline.prefetch.Prefetcher`'s thread and side stream, so
+    that sampling the next batches overlaps the current step's compute (the
+    sampler's few reads of sizes wait for the side stream only). Features are
+    gathered where they are placed: on the device from a placed table
+    (``placed``), else on the host for the batch's ``input_nodes`` and copied.
+    The same batches the actors' stream yields (labels int64, features float32).
 
     Args:
         rows: The rank's stream rows (row numbers of ``plan``), in order.
         plan: The run's seed plan: a row's epoch and seeds.
         sampler: The device's sampler.
         feat: The node features (a table, or a reader of sharded ones).
+        depth: Batches sampled ahead.
+        placed: Features held on the device (:func:`gnnray.pipeline.placement.place`), or ``None``.
     """
 
-    def __init__(self, rows: Iterable[int], plan, sampler: DeviceSampler, feat):
-        from gnnray.pipeline.feature_reader import FeatureReader, LocalRows
+    def __init__(self, rows: Iterable[int], plan, sampler: DeviceSampler, feat, depth: int = 2, placed=None):
         from gnnray.pipeline.seeds import SeedReader
 
-        self._rows, self._seeds, self._sampler = iter(rows), SeedReader(plan), sampler
-        self._feat = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
+        self._seeds, self._sampler = SeedReader(plan), sampler  # before the thread starts
+        super().__init__(rows, feat, sampler.device, depth=depth, placed=placed)
 
-    def __iter__(self) -> Iterator[MiniBatch]:
-        return self
-
-    def __next__(self) -> MiniBatch:
-        row = int(next(self._rows))
-        epoch, seeds = self._seeds.seeds(row)
-        mb = self._sampler.sample(torch.from_numpy(seeds), epoch=epoch, batch=row)
-        ids = mb.input_nodes.cpu().numpy()  # features are gathered on the host, where the table lives
-        x = np.empty((ids.shape[0], self._feat.dim), np.float32)
-        self._feat.gather(ids, x)
-        mb.x = torch.from_numpy(x).to(self._sampler.device)
-        return mb
-
-    def __enter__(self) -> "DeviceBatches":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
+    def _prepare(self, row, slot: HostSlot):
+        if slot.copied is not None:
+            slot.copied.synchronize()  # the last copy out of this slot must finish before we overwrite it
+        epoch, seeds = self._seeds.seeds(int(row))
+        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+            mb = self._sampler.sample(torch.from_numpy(seeds), epoch=epoch, batch=int(row))
+            placed = self._placed
+            if placed is None:  # the table is on the host: its rows for the batch's inputs, copied
+                x = slot.gather(self._feat, mb.input_nodes.cpu().numpy(), stored=self._cuda)
+                mb.x = x.to(self._device, non_blocking=True).float()
+            else:
+                host = None
+                if placed.host_supplied:  # with shards: rows only other nodes hold
+                    rows = placed.host_rows(mb.input_nodes.cpu().numpy())
+                    feat = slot.feat(rows.rows.shape[0], placed.dim, rows.rows.dtype)
+                    feat.numpy()[:] = rows.rows
+                    host = (slot.pos(rows.pos).to(self._device, non_blocking=True),
+                            feat.to(self._device, non_blocking=True))
+                mb.x = placed.gather(mb.input_nodes, host)
+            if self._cuda:
+                slot.copied = torch.cuda.Event()
+                slot.copied.record(self._stream)
+        return mb, slot.copied, None
 
 
 def device_batches(blocks: Iterable[dict], graph: Graph, cfg: JobConfig, world: int, feat,
-                   device: torch.device) -> DeviceBatches:
+                   device: torch.device, placed=None) -> DeviceBatches:
     """This rank's :class:`DeviceBatches` over the seed stream's ``blocks`` (numpy ``{"row": ...}`` batches), with
     the seed plan the driver streamed and the graph's CSC moved to ``device``."""
     from gnnray.pipeline.seeds import SeedPlan
@@ -202,4 +227,5 @@ def device_batches(blocks: Iterable[dict], graph: Graph, cfg: JobConfig, world: 
     plan = (SeedPlan.elastic(graph.train_idx, s.batch_size, cfg.train.workers_max, world, cfg.run.seed)
             if cfg.train.elastic else SeedPlan.for_run(graph.train_idx, s.batch_size, world, cfg.run.seed))
     rows = (row for block in blocks for row in block["row"].tolist())
-    return DeviceBatches(rows, plan, DeviceSampler(graph, s.fanouts, device, cfg.run.seed), feat)
+    return DeviceBatches(rows, plan, DeviceSampler(graph, s.fanouts, device, cfg.run.seed), feat,
+                         depth=cfg.train.prefetch, placed=placed)

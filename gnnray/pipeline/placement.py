@@ -97,6 +97,11 @@ class DeviceFeatures:
     def resident_rows(self) -> int:
         return int(self._resident.shape[0])
 
+    @property
+    def host_supplied(self) -> bool:
+        """Whether some rows only the host can supply (other nodes' shards): :meth:`host_rows` needs the ids."""
+        return isinstance(self.reader, ShardedRows)
+
     def host_rows(self, ids: np.ndarray) -> Optional[HostRows]:
         """On the prefetch thread: the batch's rows that only the host can supply (with shards), else ``None``."""
         if not isinstance(self.reader, ShardedRows):
@@ -191,18 +196,32 @@ def _pinned(table: np.ndarray, device: torch.device) -> tuple:
     t = readonly_tensor(table)
     if device.type != "cuda":
         return t, ""
-    cudart = torch.cuda.cudart()
+    ptr, size = t.data_ptr(), t.numel() * t.element_size()
+    for held in _registered:  # pages registered once cannot be again (cudaErrorHostMemoryAlreadyRegistered)
+        if held.data_ptr() <= ptr and ptr + size <= held.data_ptr() + held.numel() * held.element_size():
+            return t, ""
     # Mapped (readable by kernels through unified addressing) and read-only: the store's pages are read-only.
     flags = _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY
-    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), flags)
-    if int(err) != 0 and hasattr(cudart, "cudaGetLastError"):
-        cudart.cudaGetLastError()  # a failed registration must not surface at torch's next kernel launch
-    if int(err) == 0:
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, flags))
+    if err == 0:
         _registered.append(t)  # never unregistered while the worker runs: kernels may still read it
         return t, ""
+    _clear_cuda_error()
     pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     pinned.copy_(t)
-    return pinned, f"; the store's pages could not be registered ({int(err)}): a pinned copy"
+    return pinned, f"; the store's pages could not be registered ({err}): a pinned copy"
+
+
+def _clear_cuda_error() -> None:
+    """Read away the CUDA runtime's last error: a failed ``cudaHostRegister`` leaves it set, and torch's next
+    kernel launch would raise it. torch's ``cudart()`` lacks ``cudaGetLastError``, so it is called in the
+    runtime library torch loaded."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = [line.split()[-1] for line in maps if "/libcudart.so" in line]
+    if paths:
+        ctypes.CDLL(paths[0]).cudaGetLastError()
 
 
 _HOST_REGISTER_MAPPED, _HOST_REGISTER_READ_ONLY = 0x02, 0x08  # cudaHostRegisterMapped, cudaHostRegisterReadOnly

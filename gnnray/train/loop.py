@@ -245,7 +245,7 @@ def open_batches(shard, me: Rank):
     cfg = me.cfg
     if cfg.sampler.sample_on == "device":  # seed rows, sampled here on the device (resolved by the driver)
         return device_batches(shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0),
-                              me.graph, cfg, me.world, me.features, me.device)
+                              me.graph, cfg, me.world, me.features, me.device, me.placed)
     blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
     rows = (row for block in blocks for row in from_arrow(block))
     return Prefetcher(rows, me.features, me.device, depth=cfg.train.prefetch, embedding=me.embedding,

@@ -201,19 +201,30 @@ def test_batches_move_and_pack_like_the_actors_batches():
     assert mb.to("cpu").labels.dtype == torch.int64
 
 
-def test_device_batches_follow_the_seed_plan_with_their_features():
-    """A rank's seed rows become batches of the plan's seeds, features gathered for their input nodes."""
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA where a GPU is (never in CI)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("placement", ["host", "device", "uva"])
+def test_device_batches_follow_the_seed_plan_with_their_features(placement, device):
+    """A rank's seed rows become batches of the plan's seeds, features gathered for their input nodes, wherever
+    the features are placed."""
     from gnnray.config import parse_args
     from gnnray.pipeline.device_sampler import device_batches
+    from gnnray.pipeline.feature_reader import LocalRows
+    from gnnray.pipeline.placement import place
     from gnnray.pipeline.seeds import SeedPlan
 
     graph = tiny_graph(num_nodes=300, num_edges=3000, seed=6)
     cfg = parse_args(["--batch-size", "16", "--fanouts", "4,3", "--num-workers", "2", "--sample-on", "device"])
     plan = SeedPlan.for_run(graph.train_idx, 16, 2, cfg.run.seed)
     rows = [0, 2, plan.rows_per_epoch + 1]  # a rank's rows, into the next epoch
-    batches = list(device_batches([{"row": np.array(rows[:2])}, {"row": np.array(rows[2:])}], graph, cfg, 2,
-                                  graph.feat, torch.device("cpu")))
-    for row, mb in zip(rows, batches):
+    placed = place(placement, LocalRows(graph.feat), device, graph.indptr, free_bytes=graph.feat.nbytes // 2)
+    with device_batches([{"row": np.array(rows[:2])}, {"row": np.array(rows[2:])}], graph, cfg, 2, graph.feat,
+                        torch.device(device), placed) as batches:
+        got = [mb.to("cpu") for mb in batches]
+    assert len(got) == len(rows)
+    for row, mb in zip(rows, got):
         epoch = row // plan.rows_per_epoch
         assert mb.epoch == epoch
         assert mb.seeds.tolist() == plan.batches(epoch)[row % plan.rows_per_epoch].tolist()

@@ -51,6 +51,14 @@ def test_actors_for_pace_defaults_to_the_measured_pace():
     assert actors_for_pace(0.01, 1024, 64) == -(-102_400 // SEEDS_PER_CORE)
 
 
+def test_measured_pace_is_seeds_per_cpu_second_of_the_native_sampler():
+    from gnnray.pipeline.pace import measured_pace
+
+    g = tiny_graph(num_nodes=2000, num_edges=40_000)
+    dense, sparse = measured_pace(g, (25, 25), 256), measured_pace(g, (1,), 256)
+    assert 0 < dense < sparse  # 25 x 25 picks a seed cost more than one pick
+
+
 def test_csc_bytes_counts_the_structure_and_labels():
     g = tiny_graph()
     assert csc_bytes(g) == g.indptr.nbytes + g.indices.nbytes + g.label.nbytes

@@ -1,0 +1,134 @@
+"""Where a GPU step's data time goes, stage by stage, at products shape: ``python -m bench.gpu.stages``.
+
+On one graph (default: the products-shaped synthetic graph, fanouts 15,10,5,
+batches of 1024), per batch, median over ``--batches`` batches after a warm-up:
+
+- ``sample actors``: gnnray's native sampler on one core (what one sampler actor does per batch);
+- ``sample device``: the device sampler (``--sample-on device``), synchronized;
+- ``features host``: the host gather into pinned memory plus the copy (the ``host`` placement);
+- ``features device``: ``index_select`` from the table on the device (``device``);
+- ``features uva``: the GPU reading rows from the table's read-only pages registered in place, without a
+  cache and with the hottest quarter cached (``uva``); every row checked against the host gather;
+- ``compute``: model + loss + Adam over the same batches already on the device (the ceiling).
+
+Each row also says how many batches a second it supplies. ``--smoke`` runs tiny sizes on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCTS = ["--dataset", "synthetic", "--synthetic-nodes", "1000000", "--synthetic-avg-degree", "50",
+            "--synthetic-feat-dim", "100", "--synthetic-classes", "47", "--fanouts", "15,10,5",
+            "--batch-size", "1024", "--hidden", "256"]
+SMOKE = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
+         "--batch-size", "64", "--hidden", "16"]
+
+
+def timed(fn, n: int, sync) -> float:
+    """Median seconds of ``fn(i)`` over ``n`` calls after one warm-up call."""
+    fn(0)
+    sync()
+    times = []
+    for i in range(n):
+        t = time.perf_counter()
+        fn(i)
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--batches", type=int, default=20)
+    p.add_argument("--json", default=str(REPO / "bench-results" / "gpu-stages.json"))
+    a = p.parse_args(argv)
+    from gnnray.config import parse_args
+    from gnnray.data.load import load_graph
+    from gnnray.pipeline.device_sampler import DeviceSampler
+    from gnnray.pipeline.feature_reader import LocalRows
+    from gnnray.pipeline.placement import place
+    from gnnray.pipeline.prefetch import HostSlot
+    from gnnray.pipeline.sampler import make_sampler
+    from gnnray.train.model import model_for
+    from gnnray.train.step import train_epoch
+
+    cuda = torch.cuda.is_available() and not a.smoke
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cfg = parse_args(SMOKE if a.smoke else PRODUCTS)
+    started = time.monotonic()
+    graph = load_graph(cfg.data, cfg.run.seed)
+    print(f"device {torch.cuda.get_device_name(0) if cuda else 'cpu'}; graph {graph.num_nodes:,} nodes, "
+          f"{graph.indices.shape[0]:,} edges, loaded in {time.monotonic() - started:.1f} s", flush=True)
+    rng = np.random.default_rng(0)
+    seeds = [rng.choice(graph.train_idx, cfg.sampler.batch_size, replace=False) for _ in range(a.batches + 1)]
+    sampler = make_sampler(graph, cfg.sampler.fanouts, seed=0)
+    torch.set_num_threads(1)
+    batches = []
+
+    class Rows(dict):  # each stage printed as it is measured, so that a later failure keeps it
+        def __setitem__(self, name, seconds):
+            super().__setitem__(name, seconds)
+            print(f"{name:<32}{seconds * 1e3:>10.2f} ms/batch{1 / seconds:>10.1f} batches/s", flush=True)
+
+    rows = Rows()
+    rows["sample actors (1 core)"] = timed(lambda i: batches.append(sampler.sample(seeds[i])), a.batches, sync)
+    batches = batches[1:]
+    inputs = statistics.mean(int(mb.input_nodes.shape[0]) for mb in batches)
+    ids_host = [mb.input_nodes.numpy() for mb in batches]
+    ids_dev = [torch.from_numpy(i).to(dev) for i in ids_host]
+    dsampler = DeviceSampler(graph, cfg.sampler.fanouts, dev, seed=0)
+    rows["sample device"] = timed(lambda i: dsampler.sample(torch.from_numpy(seeds[i]), epoch=0, batch=i),
+                                  a.batches, sync)
+    slot = HostSlot(pin=cuda)
+    reader = LocalRows(graph.feat)
+    rows["features host (gather + copy)"] = timed(
+        lambda i: slot.gather(reader, ids_host[i], stored=cuda).to(dev, non_blocking=True).float(), a.batches, sync)
+    checked = {}
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
+        # The store's pages are read-only shared memory: a read-only map of a file in /dev/shm stands for them.
+        path = os.path.join(tmp, "feat.npy")
+        np.save(path, graph.feat)
+        table = np.load(path, mmap_mode="r")
+        free = torch.cuda.mem_get_info(dev)[0] if cuda else 4 * graph.feat.nbytes
+        for name, mode, free_bytes in (("device", "device", free), ("uva, no cache", "uva", 0),
+                                       ("uva, a quarter cached", "uva", graph.feat.nbytes // 2)):
+            placed = place(mode, LocalRows(table), dev, graph.indptr, free_bytes=free_bytes)
+            rows[f"features {name}"] = timed(lambda i: placed.gather(ids_dev[i]), a.batches, sync)
+            got = placed.gather(ids_dev[0]).cpu().numpy()
+            checked[name] = bool(np.array_equal(got, graph.feat[ids_host[0]]))
+            print(f"  {name}: {placed.note or 'resident'}; rows equal the host gather's: {checked[name]}", flush=True)
+    on_device = []
+    for mb, ids in zip(batches, ids_host):
+        mb.x = torch.from_numpy(graph.feat[ids])
+        on_device.append(mb.to(dev))
+    torch.manual_seed(0)
+    model = model_for(graph.feat_dim, graph.num_classes, cfg).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
+    passes = [train_epoch(model, optimizer, iter(on_device), len(on_device), graph.num_classes, dev)["epoch_time"]
+              / len(on_device) for _ in range(3)]
+    rows["compute (the ceiling)"] = statistics.median(passes[1:])
+    print(f"{inputs:,.0f} input nodes a batch, {inputs * graph.feat_dim * 4 / 2**20:.0f} MiB of float32 features")
+    out = dict(device=torch.cuda.get_device_name(0) if cuda else "cpu", input_nodes=inputs,
+               seconds=dict(rows), rows_equal=checked, cores=os.cpu_count())
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(out, indent=1))
+    print(f"written: {a.json}")
+    return 0 if all(checked.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
