@@ -58,7 +58,7 @@ def init_ray(cfg: JobConfig) -> bool:
         job_env = dict(cpus.JOB_ENV) if cfg.train.cpu_plan == "on" else {}
         job_env[stack.DRIVER_ENV] = json.dumps(expected)  # what every process of the run checks its node against
         if not cfg.run.verbose:  # torch's C++ warnings off: c10d's store warns of each peer no DNS names
-            job_env.setdefault("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
+            job_env["TORCH_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")
         if os.environ.get("RAY_ADDRESS"):
             started = _connect(options, job_env)
         else:

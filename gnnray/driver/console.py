@@ -63,8 +63,6 @@ RAY_WORKER_NOISE = (
     # Ray Train's placement-group cleaner asks the state API, which the dashboard serves, whether the controller
     # lives, every second: where the cluster has no dashboard ("dashboard off" on the cluster line) it never can.
     r"Failed to query Ray Train Controller actor state",
-    # torch's TCPStore, on each connection to it where no DNS names the peer's address (it uses the address).
-    r"\[c10d\] The hostname of the client socket cannot be retrieved",
 )
 
 

@@ -205,11 +205,8 @@ class DeviceBatches(Prefetcher):
             else:
                 host = None
                 if placed.host_supplied:  # with shards: rows only other nodes hold
-                    rows = placed.host_rows(mb.input_nodes.cpu().numpy())
-                    feat = slot.feat(rows.rows.shape[0], placed.dim, rows.rows.dtype)
-                    feat.numpy()[:] = rows.rows
-                    host = (slot.pos(rows.pos).to(self._device, non_blocking=True),
-                            feat.to(self._device, non_blocking=True))
+                    copied = slot.host_rows(placed.host_rows(mb.input_nodes.cpu().numpy()))
+                    host = tuple(t.to(self._device, non_blocking=True) for t in copied)
                 mb.x = placed.gather(mb.input_nodes, host)
             if self._cuda:
                 slot.copied = torch.cuda.Event()

@@ -104,7 +104,7 @@ class DeviceFeatures:
 
     def host_rows(self, ids: np.ndarray) -> Optional[HostRows]:
         """On the prefetch thread: the batch's rows that only the host can supply (with shards), else ``None``."""
-        if not isinstance(self.reader, ShardedRows):
+        if not self.host_supplied:
             return None
         pos, rows = self.reader.remote(ids, local=self.mode == "uva")
         return HostRows(pos, rows)

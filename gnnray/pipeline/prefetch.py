@@ -85,6 +85,13 @@ class HostSlot:
         self._feat = self._grow(self._feat, rows * dim, np.dtype(dtype))
         return self._feat[: rows * dim].view(rows, dim)
 
+    def host_rows(self, host) -> tuple:
+        """Copies of a batch's host-supplied rows (a :class:`~gnnray.pipeline.placement.HostRows`) in this slot's
+        reused buffers: ``(positions, rows)``, ready to cross to the device."""
+        rows = self.feat(host.rows.shape[0], host.rows.shape[1], host.rows.dtype)
+        rows.numpy()[:] = host.rows
+        return self.pos(host.pos), rows
+
     def rows(self, rows: np.ndarray) -> torch.Tensor:
         """A copy of float32 ``rows`` in this slot's reused buffer."""
         n, dim = rows.shape
@@ -224,9 +231,7 @@ class Prefetcher:
         else:  # gathered on the device; the host supplies only the rows it alone has (from other nodes)
             host = self._placed.host_rows(mb.input_nodes.numpy())
             if host is not None:
-                rows_in = slot.feat(host.rows.shape[0], self._placed.dim, host.rows.dtype)
-                rows_in.numpy()[:] = host.rows
-                host = (slot.pos(host.pos), rows_in)
+                host = slot.host_rows(host)
         lookup = self._embedding.prefetch(mb.input_nodes.numpy()) if self._embedding is not None else None
         if not self._cuda:
             mb = mb.to("cpu")  # labels int64 (a few bytes); the rest stays as it is
