@@ -1,9 +1,10 @@
 """With stage 7 (train worker): sampled evaluation of a split, each rank taking every ``world``-th node.
 
-The worker samples nothing itself: its node's
-:class:`~gnnray.pipeline.sampler.EvaluationSampler` actor, one shared by the
-node's workers, samples each chunk of seeds, at most :attr:`Evaluator.requests` chunks ahead;
-the worker gathers the features as in training (:class:`Prefetcher`).
+Its node's :class:`~gnnray.pipeline.sampler.EvaluationSampler` actor, one
+shared by the node's workers, samples each chunk of seeds, at most
+:attr:`Evaluator.requests` chunks ahead; the worker gathers the features as in
+training (:class:`Prefetcher`). A rank with few seeds to evaluate
+(:data:`SAMPLE_HERE_SEEDS`) samples them itself: the actor's start would cost more.
 
 Chunks are sized by the rows they gather, not by their seeds: a chunk of
 4,096 seeds with fanouts 15,10,5 samples most of a products-sized graph
@@ -33,6 +34,11 @@ from gnnray.pipeline.sampler import start_evaluation_sampler
 from gnnray.train.embedding import NodeEmbedding
 
 
+# A rank's validation and test seeds at most this many are sampled in the worker: about 0.5 s of one core at
+# products' fanouts (15,10,5), a tenth of what starting the node's sampler actor costs.
+SAMPLE_HERE_SEEDS = 10_000
+
+
 class Evaluator:
     """Sampled evaluation of a split: each rank takes every ``world``-th node, so the ranks cover each node once.
 
@@ -45,8 +51,8 @@ class Evaluator:
     Args:
         graph: The node-shared graph (splits, labels; features unless ``features`` is given).
         handle: The same graph's handle, for the node's sampler actor (started here if no worker of the node
-            started it yet, without waiting). Without
-            it (no Ray: tests, tools) this process samples.
+            started it yet, without waiting). Without it (no Ray: tests, tools), or with few seeds to evaluate,
+            this process samples.
         stack: The driver's software stack, which the sampler actor checks on its node.
     """
 
@@ -57,7 +63,7 @@ class Evaluator:
         self._features = features if features is not None else LocalRows(graph.feat)
         self._embedding = embedding
         fanouts = cfg.sampler.evaluation_fanouts
-        if handle is not None:
+        if handle is not None and not self._samples_here(cfg):
             self._sampler = start_evaluation_sampler(handle, fanouts, int(cfg.sampler.cpus_per_actor),
                                                      cfg.sampler.backend, cfg.run.seed, stack)
         else:
@@ -70,19 +76,33 @@ class Evaluator:
         self._first_seeds = max(1, self.max_rows // rows_per_seed_at_most(graph, fanouts))
         self.peak_rows = self.resampled = 0  # the most rows a batch gathered; batches over the bound, dropped
 
-    def accuracy(self, model, split: str) -> float:
-        from torchmetrics.classification import MulticlassAccuracy
+    def _samples_here(self, cfg: JobConfig) -> bool:
+        """Whether this worker samples its evaluation itself: the native sampler, with so few seeds to evaluate
+        (:data:`SAMPLE_HERE_SEEDS`) that an actor's start, a process importing torch (3-7 CPU-seconds), would
+        cost more than the sampling."""
+        seeds = sum(len(self._graph.split(s)[self._rank::self._world]) for s in ("valid", "test"))
+        return cfg.sampler.backend == "native" and seeds <= SAMPLE_HERE_SEEDS
 
+    def accuracy(self, model, split: str) -> float:
+        """The split's accuracy over every rank's share: correct and total counts summed across ranks (a
+        metrics library would cost each worker process seconds of imports for this one sum)."""
         ids = self._graph.split(split)[self._rank::self._world]
-        acc = MulticlassAccuracy(self._graph.num_classes, average="micro", validate_args=False).to(self._device)
+        counts = torch.zeros(2, dtype=torch.int64, device=self._device)  # correct, total
         net = getattr(model, "module", model)  # no DDP hooks needed without backward
         net.eval()
         with torch.no_grad(), self._batches(ids) as batches:
             for mb in batches:
                 self.peak_in_flight = max(self.peak_in_flight, self.requested - self.consumed)
                 self.consumed += 1
-                acc.update(net(mb.layers, model_input(mb, self._embedding)).argmax(1), mb.labels)
-        return float(acc.compute())  # synchronised across ranks by torchmetrics
+                pred = net(mb.layers, model_input(mb, self._embedding)).argmax(1)
+                counts[0] += (pred == mb.labels).sum()
+                counts[1] += mb.labels.shape[0]
+        if self._world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts)
+        correct, total = counts.tolist()
+        return correct / total if total else 0.0
 
     def _packed(self, ids: np.ndarray) -> Iterator[np.ndarray]:
         """Packed batches of ``ids``, chunk by chunk, with at most :attr:`requests` being sampled at a time; each
@@ -169,7 +189,7 @@ def rows_per_seed_at_most(graph: Graph, fanouts) -> int:
 
 
 class _Here:
-    """Sampling in this process, called as the actor is (``sample.remote``); without Ray only."""
+    """Sampling in this process, called as the actor is (``sample.remote``): without Ray, or for few seeds."""
 
     def __init__(self, graph: Graph, fanouts, cfg: JobConfig):
         from gnnray.pipeline.sampler import make_sampler
