@@ -28,7 +28,9 @@ def test_driver_killed_then_resubmitted(ray_cluster, storage_path, tmp_path, cap
     the run from a bucket (a real S3 server: nothing of the run is on a shared disk, the drivers' epoch lines
     included); jobs/predict.py then reads the run from there and writes its output there. A directory's resume
     is the script run's (tests/test_job.py), through the same storage functions (tests/test_storage.py)."""
-    args = SMALL + ["--epochs", "4", "--storage-path", storage_path, "--name", "d4"]
+    # Epochs after the kill: room for the driver's line of epoch 1 (it polls the bucket) before the run could end.
+    epochs = 10
+    args = SMALL + ["--epochs", str(epochs), "--storage-path", storage_path, "--name", "d4"]
     out = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(job_command(args), cwd=REPO, env=subprocess_env(ray_cluster), stdout=out,
                               stderr=subprocess.STDOUT)
@@ -51,20 +53,20 @@ def test_driver_killed_then_resubmitted(ray_cluster, storage_path, tmp_path, cap
 
     job = JobThread(args).join()
     assert job.error is None, repr(job.error)
-    epochs = [m["epoch"] for m in logged(storage_path, "d4")]
-    resumed = epochs[len(first):]
+    done = [m["epoch"] for m in logged(storage_path, "d4")]
+    resumed = done[len(first):]
     # It resumed after the last checkpoint the killed driver's run completed
     # (the epoch being checkpointed when it was killed may run again).
-    assert resumed and resumed[0] in (first[-1], first[-1] + 1) and resumed == list(range(resumed[0], 4)), epochs
-    assert job.summary.metrics["epoch"] == 3 and job.summary.restarts == 0
+    assert resumed and resumed[0] in (first[-1], first[-1] + 1) and resumed == list(range(resumed[0], epochs)), done
+    assert job.summary.metrics["epoch"] == epochs - 1 and job.summary.restarts == 0
     run_dir = storage.join(storage_path, "d4")
     assert job.summary.checkpoint.startswith(run_dir + "/checkpoint_")
     console = capsys.readouterr().out
-    assert f"resuming run 'd4' from epoch {resumed[0]}" in console and "epoch=3 " in console, console
+    assert f"resuming run 'd4' from epoch {resumed[0]}" in console and f"epoch={epochs - 1} " in console, console
 
     # Another name in the same storage path starts fresh.
     assert _resume_point(parse_args(args[:-1] + ["d4-other"]), storage.join(storage_path, "d4-other")) is None
-    assert _resume_point(parse_args(args), run_dir).epoch == 3
+    assert _resume_point(parse_args(args), run_dir).epoch == epochs - 1
 
     # jobs/predict.py: the run's directory as --checkpoint, the output beside it.
     output = storage.join(storage_path, "preds", "d4.parquet")
