@@ -28,8 +28,9 @@ def test_driver_killed_then_resubmitted(ray_cluster, storage_path, tmp_path, cap
     the run from a bucket (a real S3 server: nothing of the run is on a shared disk, the drivers' epoch lines
     included); jobs/predict.py then reads the run from there and writes its output there. A directory's resume
     is the script run's (tests/test_job.py), through the same storage functions (tests/test_storage.py)."""
-    # Epochs after the kill: room for the driver's line of epoch 1 (it polls the bucket) before the run could end.
-    epochs = 10
+    # Epochs left after the kill (0.4-1 s each here): the workers run on until Ray ends the dead driver's job,
+    # and with 4 epochs they had finished the run by then (the resubmitted run found nothing to resume).
+    epochs = 20
     args = SMALL + ["--epochs", str(epochs), "--storage-path", storage_path, "--name", "d4"]
     out = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(job_command(args), cwd=REPO, env=subprocess_env(ray_cluster), stdout=out,
