@@ -63,7 +63,7 @@ class Evaluator:
         self._features = features if features is not None else LocalRows(graph.feat)
         self._embedding = embedding
         fanouts = cfg.sampler.evaluation_fanouts
-        if handle is not None and not self._samples_here(cfg):
+        if handle is not None and not self._samples_here():
             self._sampler = start_evaluation_sampler(handle, fanouts, int(cfg.sampler.cpus_per_actor),
                                                      cfg.sampler.backend, cfg.run.seed, stack)
         else:
@@ -76,12 +76,12 @@ class Evaluator:
         self._first_seeds = max(1, self.max_rows // rows_per_seed_at_most(graph, fanouts))
         self.peak_rows = self.resampled = 0  # the most rows a batch gathered; batches over the bound, dropped
 
-    def _samples_here(self, cfg: JobConfig) -> bool:
+    def _samples_here(self) -> bool:
         """Whether this worker samples its evaluation itself: the native sampler, with so few seeds to evaluate
         (:data:`SAMPLE_HERE_SEEDS`) that an actor's start, a process importing torch (3-7 CPU-seconds), would
         cost more than the sampling."""
         seeds = sum(len(self._graph.split(s)[self._rank::self._world]) for s in ("valid", "test"))
-        return cfg.sampler.backend == "native" and seeds <= SAMPLE_HERE_SEEDS
+        return self._cfg.sampler.backend == "native" and seeds <= SAMPLE_HERE_SEEDS
 
     def accuracy(self, model, split: str) -> float:
         """The split's accuracy over every rank's share: correct and total counts summed across ranks (a
