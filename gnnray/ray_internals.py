@@ -126,3 +126,11 @@ def ask_cluster_id(channel, metadata: tuple, timeout_s: float) -> None:
 
     gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
         gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+
+
+def session_dir() -> str:
+    """This node's Ray session directory, where a cluster Ray started with its defaults spills objects (the
+    raylet's disk monitor watches it); called in a task on the node."""
+    import ray._private.worker
+
+    return ray._private.worker._global_node.get_session_dir_path()

@@ -35,6 +35,7 @@ def init_ray(cfg: JobConfig) -> bool:
     """
     import ray
 
+    from gnnray.driver import console
     from gnnray.logs import drop_records
 
     expected = preflight.check_driver(cfg.sampler.backend)  # before Ray starts: a missing pin fails at once
@@ -46,6 +47,7 @@ def init_ray(cfg: JobConfig) -> bool:
     warnings.filterwarnings("ignore", message=_RAY_DEPRECATION)
     if not cfg.run.verbose:  # Ray's notice that a new local cluster uses its default, token authentication
         drop_records(ray_internals.TOKEN_SETUP_LOGGER, "Token authentication is enabled")
+    console.skip_ray_noise(cfg.run.verbose)  # before a new raylet's first lines reach this console
     local, started = False, None
     if ray.is_initialized() and os.environ.get("RAY_ADDRESS") == _own_address[0] and cfg.train.cpu_plan == "on":  # another run on this process's
         register_run()  # local cluster (the Python API): registered again, under the name its processes carry
@@ -65,8 +67,6 @@ def init_ray(cfg: JobConfig) -> bool:
             local, started = True, _start_local(cfg, options, job_env)
     import ray.data
 
-    from gnnray.driver import console
-
     console.quiet_ray(cfg.run.verbose)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.run.verbose and sys.stdout.isatty()
     cluster = preflight.nodes()
@@ -75,6 +75,8 @@ def init_ray(cfg: JobConfig) -> bool:
     if started is not None:
         console.say(console.cluster_line(local, started.address_info["gcs_address"], dashboard,
                                          len(cluster), checked, expected))
+        for line in preflight.full_disks(cluster):  # said once, as the cluster is
+            console.say(line)
     return local
 
 

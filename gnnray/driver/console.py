@@ -63,6 +63,9 @@ RAY_WORKER_NOISE = (
     # Ray Train's placement-group cleaner asks the state API, which the dashboard serves, whether the controller
     # lives, every second: where the cluster has no dashboard ("dashboard off" on the cluster line) it never can.
     r"Failed to query Ray Train Controller actor state",
+    # A raylet's error, every 10 s while it runs, that its spill disk is past Ray's threshold: said once, with
+    # what to do, by the run's own warning (gnnray.driver.preflight.full_disks).
+    r"file_system_monitor\.cc:\d+: .* is over \S+% full, available space",
 )
 
 
@@ -75,15 +78,21 @@ def quiet_ray(verbose: bool) -> None:
     :data:`RAY_WORKER_NOISE` in other processes' logs are not printed here
     (Ray's log deduplicator skips them; with ``RAY_DEDUP_LOGS=0`` they show).
     """
-    import re
-
     import ray.data
-
-    from gnnray import ray_internals
 
     # Dropped too: its hint on how to turn on the progress bars gnnray turned off on purpose.
     quiet_console("ray.data", verbose, drop="Progress bars disabled")
     ray.data.DataContext.get_current().print_on_execution_start = verbose
+    skip_ray_noise(verbose)
+
+
+def skip_ray_noise(verbose: bool) -> None:
+    """Leave the lines of :data:`RAY_WORKER_NOISE` that other processes log out of this process's console,
+    unless ``verbose``; called before Ray starts too, since a new raylet logs at once."""
+    import re
+
+    from gnnray import ray_internals
+
     if verbose:
         return
     noise = "|".join(RAY_WORKER_NOISE)

@@ -1,5 +1,6 @@
 """Driver checks made before anything waits: a writable storage path, a cluster that answers, runs the driver's
-stack on every node (:mod:`gnnray.stack`), and can ever run the job.
+stack on every node (:mod:`gnnray.stack`), and can ever run the job; a warning for a node whose disk is too full
+for Ray to spill objects to.
 
 Ray waits for resources it lacks, expecting an autoscaler to add nodes; on a
 cluster of fixed size that wait never ends. So the driver compares what the
@@ -89,15 +90,11 @@ def check_versions(cluster: list[Node], expected: dict, timeout_s: float = VERSI
     meanwhile is gone from the cluster and left out.
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from gnnray import stack
 
     backend = "graphbolt" if "dgl" in expected else "native"
-    probe = ray.remote(num_cpus=0, max_retries=0)(stack.versions)
-    refs = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
-            .remote(backend): n for n in cluster}
-    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    refs, ready, pending = _on_each_node(cluster, stack.versions, backend, timeout_s=timeout_s)
     wrong, failed = [], {}
     for ref in ready:
         try:
@@ -117,6 +114,65 @@ def check_versions(cluster: list[Node], expected: dict, timeout_s: float = VERSI
                            f"driver's versions on every node (pip install -e . into the same environment, or one "
                            f"image for all), and check that each node can start Ray workers")
     return len(ready)
+
+
+def _on_each_node(cluster: list[Node], fn, *args, timeout_s: float = VERSION_CHECK_TIMEOUT_S) -> tuple:
+    """Call ``fn(*args)`` in a task without CPUs on each node of ``cluster``, once: ``({ref: node}, refs
+    ready within timeout_s, refs not)``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    refs = {task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
+            .remote(*args): n for n in cluster}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    return refs, ready, pending
+
+
+# The share of a disk's capacity past which a raylet refuses to spill objects there (Ray's
+# local_fs_capacity_threshold; a raylet reads RAY_local_fs_capacity_threshold, as the probe on its node does).
+DISK_THRESHOLD_ENV, DISK_THRESHOLD = "RAY_local_fs_capacity_threshold", 0.95
+
+
+def spill_disk() -> tuple:
+    """(path, free bytes, capacity in bytes, Ray's threshold) of the disk this node's raylet spills objects to,
+    read in a task on that node."""
+    import os
+    import shutil
+
+    from gnnray import ray_internals
+
+    path = ray_internals.session_dir()
+    usage = shutil.disk_usage(path)
+    return path, usage.free, usage.total, float(os.environ.get(DISK_THRESHOLD_ENV, DISK_THRESHOLD))
+
+
+def full_disks(cluster: list[Node]) -> list[str]:
+    """A warning for each node of ``cluster`` whose spill disk is past Ray's threshold (none where all answer
+    in time below it).
+
+    Such a raylet logs an error every 10 s for as long as it runs, which the
+    console leaves out (:data:`gnnray.driver.console.RAY_WORKER_NOISE`): this
+    says it once, with what to do. The check reads the session directory, where
+    Ray spills unless the cluster was started with its own spilling config.
+    """
+    import ray
+
+    refs, ready, _ = _on_each_node(cluster, spill_disk)
+    lines = []
+    for ref in ready:
+        try:
+            path, free, total, threshold = ray.get(ref)
+        except ray.exceptions.RayError:  # a node that died since the version check: nothing to warn of
+            continue
+        used = 1 - free / total if total else 1.0
+        if used >= threshold:
+            n = refs[ref]
+            lines.append(f"warning: node {n.address} ({n.node_id[:8]}): the disk of {path} is {used:.1%} full "
+                         f"({size_text(free)} free of {size_text(total)}), past the {threshold:.0%} at which Ray "
+                         f"stops spilling objects there, so a run whose objects outgrow the object store fails; "
+                         f"free space on that disk")
+    return sorted(lines)
 
 
 def check_driver(backend: str) -> dict:
