@@ -118,7 +118,7 @@ def _features(parts: GraphParts, cfg: DataConfig, source: str, seed: int) -> Fea
     if cfg.random_features > 0:
         if parts.feat is not None:
             log.warning("%s: replacing its %d-dim features by random ones (--random-features %d)",
-                        source, parts.feat.shape[1], cfg.random_features)
+                        source, source_of(parts.feat).dim, cfg.random_features)  # an array or a source
         return RandomRows(seed, cfg.random_features, parts.num_nodes)
     if parts.feat is None:
         if cfg.embedding_dim > 0:

@@ -127,6 +127,15 @@ def test_graph_dir_without_feat_needs_random_features(tmp_path):
     np.testing.assert_array_equal(g.feat, load_dir(path, random_features=5, seed=3).feat)
 
 
+def test_random_features_replace_a_synthetic_graphs_own(caplog):
+    """The synthetic graph's features are a generator, not an array: the warning that they are replaced names
+    their width (it raised AttributeError once)."""
+    cfg = DataConfig(dataset="synthetic", synthetic_nodes=500, synthetic_feat_dim=7, random_features=3)
+    g = load_graph(cfg, seed=1)
+    assert g.feat.shape == (500, 3)
+    assert "its 7-dim features by random ones" in caplog.text
+
+
 def _garbage(path: Path) -> None:
     (path / "edges.parquet").write_bytes(b"this is not a parquet file")
 
