@@ -52,6 +52,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -255,6 +256,8 @@ class CpuPolicy:
 
     def apply_trainer(self, local_rank: int, local_world: int) -> dict:
         """In a train worker, before its first parallel region: threads and cores; what it now uses."""
+        import torch  # noqa: F401  (a train worker computes with it: its pool is read back even with the plan off)
+
         if self.enabled:
             node = node_cpus()
             plan = self.plan(local_world, node)
@@ -272,7 +275,8 @@ class CpuPolicy:
         """In a sampler actor, before it samples: ``threads`` threads, priority below the train workers."""
         if self.enabled:
             os.nice(SAMPLER_NICE)
-            set_threads(threads)
+            if "torch" in sys.modules:  # GraphBolt's (DGL loads torch); the native sampler never imports it
+                set_threads(threads)
         return readback()
 
 
@@ -287,10 +291,10 @@ def set_threads(n: int) -> None:
 
 
 def readback() -> dict:
-    """What this process uses now: torch's threads, its cores, niceness and OpenMP wait policy."""
-    import torch
-
-    return dict(torch_threads=torch.get_num_threads(), cores=sorted(os.sched_getaffinity(0)),
+    """What this process uses now: torch's threads (``None`` where torch is not loaded), its cores, niceness and
+    OpenMP wait policy."""
+    torch = sys.modules.get("torch")
+    return dict(torch_threads=torch.get_num_threads() if torch else None, cores=sorted(os.sched_getaffinity(0)),
                 nice=os.getpriority(os.PRIO_PROCESS, 0), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"))
 
 

@@ -4,9 +4,11 @@ A :class:`MiniBatch` is born in a sampler actor (seeds + sampled blocks), travel
 through Ray Data as one flat integer array in an Arrow row (:func:`to_arrow`),
 is rebuilt in the train worker (:func:`from_arrow`, :meth:`MiniBatch.unpack`),
 gets its input features gathered there and is moved to the device with
-:meth:`MiniBatch.to`. Only torch and numpy are imported here (pyarrow when
-rows are packed into or read from a table): the train worker's code runs
-without Ray and DGL.
+:meth:`MiniBatch.to`. Only numpy is imported here, torch where a batch
+becomes tensors and pyarrow where rows are packed into or read from a table:
+the train worker's code runs without Ray and DGL, and a sampler actor, whose
+batches hold numpy arrays until they are packed, without torch (importing it
+costs a process seconds of CPU and about 280 MB of its own memory).
 
 Why one flat integer array per batch: every part (ids, labels, CSC offsets
 and indices) is an integer, so packing is one ``np.concatenate`` and unpacking
@@ -35,12 +37,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
-import torch
 
 from gnnray.errors import ConfigError
 
 if TYPE_CHECKING:
     import pyarrow as pa
+    import torch
 
 _MAGIC = 0x6E6E7231  # "gnr1": rejects rows that are not packed mini-batches
 _MAGIC_TYPED = 0x6E6E7431  # "gnt1": as gnr1, plus each layer's edge types after its indices
@@ -95,6 +97,9 @@ class MiniBatch:
         layers: Blocks from the input layer to the output layer.
         epoch: Data epoch the seeds were drawn for (``-1`` for evaluation).
         x: Input features of ``input_nodes``, ``(S, F)``; set by the worker.
+
+    Its arrays are torch tensors, except in a sampler actor, where they are numpy
+    arrays until packed (:meth:`tensors` makes them tensors, zero-copy).
     """
 
     seeds: torch.Tensor
@@ -115,18 +120,25 @@ class MiniBatch:
         device: the loss wants int64, and a cast on the host would be one more
         copy, into pageable memory, per batch.
         """
+        mb = self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+        mb.labels = mb.labels.long()
+        return mb
 
-        def move(t):
-            return None if t is None else t.to(device, non_blocking=non_blocking)
+    def tensors(self) -> "MiniBatch":
+        """The same batch over torch tensors: views of its numpy arrays (a sampler's batch), or itself."""
+        import torch
 
-        return replace(
-            self,
-            seeds=move(self.seeds),
-            labels=move(self.labels).long(),
-            input_nodes=move(self.input_nodes),
-            layers=[Layer(move(l.indptr), move(l.indices), l.num_src, move(l.etype)) for l in self.layers],
-            x=move(self.x),
-        )
+        return self._apply(lambda a: torch.from_numpy(a) if isinstance(a, np.ndarray) else a)
+
+    def _apply(self, fn) -> "MiniBatch":
+        """A copy with ``fn`` applied to each of its arrays."""
+
+        def each(a):
+            return None if a is None else fn(a)
+
+        return replace(self, seeds=each(self.seeds), labels=each(self.labels), input_nodes=each(self.input_nodes),
+                       layers=[Layer(each(l.indptr), each(l.indices), l.num_src, each(l.etype)) for l in self.layers],
+                       x=each(self.x))
 
     def pack(self, dtype: np.dtype = np.int64) -> np.ndarray:
         """Encode as one flat ``dtype`` array (pass :func:`id_dtype` of the graph; see the module docstring)."""
@@ -147,14 +159,18 @@ class MiniBatch:
             check_fits(max(layer.num_src, int(layer.indices.shape[0]),
                            int(layer.indptr[-1]) if layer.indptr.shape[0] else 0), dtype)
         check_fits(max(header[1:]), dtype, "a mini-batch")
-        parts = [np.asarray(header, dtype=np.int64), self.seeds.numpy(), self.labels.numpy(), self.input_nodes.numpy()]
+        # np.asarray: a view of a CPU tensor's memory, or the sampler's own array.
+        parts = [np.asarray(header, dtype=np.int64), np.asarray(self.seeds), np.asarray(self.labels),
+                 np.asarray(self.input_nodes)]
         for layer in self.layers:
-            parts += [layer.indptr.numpy(), layer.indices.numpy()] + ([layer.etype.numpy()] if typed else [])
+            parts += [np.asarray(layer.indptr), np.asarray(layer.indices)] + ([np.asarray(layer.etype)] if typed else [])
         return parts
 
     @staticmethod
     def unpack(packed: torch.Tensor) -> "MiniBatch":
         """Decode :meth:`pack`'s output; every tensor is a view into ``packed`` (:meth:`to` makes labels int64)."""
+        import torch
+
         if packed.dtype not in (torch.int32, torch.int64) or packed.dim() != 1 or packed.shape[0] < _FIXED_HEADER:
             raise ValueError("not a packed MiniBatch: expected a 1-D int32 or int64 array")
         magic, epoch, num_layers, num_seeds, num_input = packed[:_FIXED_HEADER].tolist()

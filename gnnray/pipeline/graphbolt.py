@@ -100,6 +100,8 @@ class GraphBoltSampler:
         labels = torch.from_numpy(self._graph.label[output_nodes.numpy()])
         return MiniBatch(output_nodes, labels, nodes, layers, epoch=epoch)
 
+    draw = sample  # what a sampler actor calls: GraphBolt's batches are tensors already (DGL imports torch)
+
 
 def to_graphbolt(graph: Graph):
     """Return GraphBolt's ``FusedCSCSamplingGraph`` over ``graph``'s CSC arrays, without copying them.

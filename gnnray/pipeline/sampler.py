@@ -89,8 +89,10 @@ class Sampler:
         blocks come in the graph's ``indices`` dtype (int32 below 2**31
         nodes), its labels as int64.
         """
-        import torch
+        return self.draw(seeds, epoch, batch).tensors()
 
+    def draw(self, seeds: np.ndarray, epoch: int = -1, batch: Optional[int] = None) -> MiniBatch:
+        """:meth:`sample` over numpy arrays, without importing torch: what a sampler actor packs."""
         from gnnray.pipeline import pick
         from gnnray.pipeline.batch import Layer, MiniBatch, check_fits
 
@@ -111,12 +113,10 @@ class Sampler:
             src = src[:pick.relabel(nodes, picked, self._table, local, src)]
             if g.typed and etype is None:
                 etype = np.empty(0, g.etype.dtype)
-            layers.append(Layer(torch.from_numpy(offsets.astype(self._dtype)), torch.from_numpy(local),
-                                int(src.shape[0]), None if etype is None else torch.from_numpy(etype)))
+            layers.append(Layer(offsets.astype(self._dtype), local, int(src.shape[0]), etype))
             nodes = src
         layers.reverse()
-        labels = torch.from_numpy(g.label[seeds_in])
-        return MiniBatch(torch.from_numpy(seeds_in), labels, torch.from_numpy(nodes), layers, epoch=epoch)
+        return MiniBatch(seeds_in, g.label[seeds_in], nodes, layers, epoch=epoch)
 
 
 def make_sampler(graph: Graph, fanouts: Union[Fanouts, Sequence[int]], backend: str = "native", seed: int = 0,
@@ -167,7 +167,7 @@ class SamplerActor:
         for row in rows["row"].tolist():
             start = time.perf_counter()
             epoch, seeds = self._seeds.seeds(row)
-            mb = self._sampler.sample(seeds, epoch=epoch, batch=row)
+            mb = self._sampler.draw(seeds, epoch=epoch, batch=row)
             batches.append(mb)
             self._metrics.batch(sum(int(layer.indices.shape[0]) for layer in mb.layers), time.perf_counter() - start)
         from gnnray.pipeline.batch import to_arrow
@@ -203,7 +203,7 @@ class EvaluationSampler:
 
     def sample(self, seeds: np.ndarray) -> np.ndarray:
         """The packed mini-batch (:meth:`MiniBatch.pack`) of ``seeds``."""
-        return self._sampler.sample(seeds).pack(self._sampler.id_dtype)
+        return self._sampler.draw(seeds).pack(self._sampler.id_dtype)
 
 
 def start_evaluation_sampler(graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1,

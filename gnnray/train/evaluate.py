@@ -198,7 +198,7 @@ class _Here:
         self.sample = self  # so that ``sample.remote(seeds)`` reads as for the actor
 
     def remote(self, seeds: np.ndarray) -> np.ndarray:
-        return self._sampler.sample(seeds).pack(self._sampler.id_dtype)
+        return self._sampler.draw(seeds).pack(self._sampler.id_dtype)
 
 
 def model_input(mb: MiniBatch, embedding: Optional[NodeEmbedding]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A run's processes import no DGL: the driver, the train workers, the sampler actors and the evaluation sampler.
+"""A run's processes import no DGL: the driver, the train workers, the sampler actors and the evaluation sampler;
+and the sampler actors no torch.
 
 A real run (``gnnray.driver.fit.run``, two workers, the default sampler) is
 driven by a subprocess on the session's cluster. Every process of it, the
@@ -47,6 +48,8 @@ class NoDglFinder:
     """Ahead of every other finder: an import of dgl is written down, then fails."""
 
     def find_spec(self, name, path=None, target=None):
+        if name == "torch":  # written down, not refused: which processes pay for importing torch
+            open(os.path.join(_LOG, f"torch-{os.getpid()}"), "w").close()
         if name == "dgl" or name.startswith("dgl."):
             with open(os.path.join(_LOG, f"tried-{os.getpid()}"), "a") as f:
                 f.write(f"{name} {sys.argv}\\n")
@@ -154,6 +157,12 @@ def test_train_worker_never_imports_dgl(ray_cluster, tmp_path):
     # Train workers and sampler actors (evaluation's 400 seeds are sampled in the workers: SAMPLE_HERE_SEEDS).
     for kind in ("RayTrainWorker", "SamplerActor"):
         assert kind in names, (kind, names)
+    # The sampler actors pack numpy arrays: only the processes that compute import torch (seconds of CPU and
+    # about 280 MB of a process's own memory each).
+    torch_pids = {int(p.name.removeprefix("torch-")) for p in log.glob("torch-*")}
+    samplers = [a.pid for a in actors if "SamplerActor" in a.class_name and a.pid]
+    assert samplers and not set(samplers) & torch_pids, (samplers, torch_pids)
+    assert all(a.pid in torch_pids for a in actors if a.class_name == "RayTrainWorker" and a.pid)
 
     metrics = out["metrics"]
     assert metrics["eval"] == "layerwise" and metrics["inference_s"] > 0
