@@ -275,8 +275,7 @@ class CpuPolicy:
         """In a sampler actor, before it samples: ``threads`` threads, priority below the train workers."""
         if self.enabled:
             os.nice(SAMPLER_NICE)
-            if "torch" in sys.modules:  # GraphBolt's (DGL loads torch); the native sampler never imports it
-                set_threads(threads)
+            set_sampler_threads(threads)
         return readback()
 
 
@@ -288,6 +287,13 @@ def set_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
+
+
+def set_sampler_threads(n: int) -> None:
+    """:func:`set_threads` in a sampler's process, where torch is loaded: GraphBolt's (DGL imports torch). The
+    native sampler's threads are numba's, and its process never imports torch (about 280 MB and seconds of CPU)."""
+    if "torch" in sys.modules:
+        set_threads(n)
 
 
 def readback() -> dict:

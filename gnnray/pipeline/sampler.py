@@ -194,11 +194,11 @@ class EvaluationSampler:
 
     def __init__(self, graph: GraphHandle, fanouts: Union[Fanouts, Sequence[int]], threads: int = 1,
                  backend: str = "native", seed: int = 0, stack: Optional[dict] = None):
-        from gnnray.cpus import set_threads
+        from gnnray.cpus import set_sampler_threads
         from gnnray.stack import check_here
 
         check_here(stack, "the evaluation sampler")
-        set_threads(max(1, threads))
+        set_sampler_threads(max(1, threads))
         self._sampler = make_sampler(graph.get(), fanouts, backend, seed, max(1, threads))
 
     def sample(self, seeds: np.ndarray) -> np.ndarray:

@@ -51,3 +51,14 @@ def test_outside_a_placement_group_each_call_starts_its_own_sampler(ray_cluster)
     handle = publish(tiny_graph(num_nodes=100, num_edges=500))
     first, second = start_evaluation_sampler(handle, [2]), start_evaluation_sampler(handle, [2])
     assert first._actor_id != second._actor_id
+
+
+def test_the_evaluation_sampler_never_loads_torch(ray_cluster):
+    """It packs numpy batches: its process maps no libtorch (torch costs a process about 280 MB of its own)."""
+    graph = tiny_graph(num_nodes=100, num_edges=500)
+    actor = start_evaluation_sampler(publish(graph), [2], threads=2)
+    packed = ray.get(actor.sample.remote(graph.split("valid")[:10]))
+    assert packed.dtype == np.int32 and packed.size > 0
+    pid = ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid()))
+    maps = open(f"/proc/{pid}/maps").read()  # the session's cluster is this machine
+    assert "libtorch" not in maps, [line for line in maps.splitlines() if "libtorch" in line][:3]
