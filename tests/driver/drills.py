@@ -119,6 +119,21 @@ def alive_actors(class_part: str) -> list[Actor]:
             if a["State"] == "ALIVE" and class_part in a["ActorClassName"] and a["Pid"]]
 
 
+def actor_ids(class_part: str) -> set[str]:
+    """The ids of every actor, alive or dead, whose class name contains ``class_part``."""
+    import ray._private.state
+
+    return {a["ActorID"] for a in ray._private.state.actors().values() if class_part in a["ActorClassName"]}
+
+
+def actor_states(actor_ids: set[str]) -> list[tuple]:
+    """(id, state, restarts, death cause) of each of ``actor_ids``, for a failure's message."""
+    import ray._private.state
+
+    rows = (ray._private.state.actors(a) for a in sorted(actor_ids))
+    return [(r["ActorID"][:8], r["State"], r["NumRestarts"], str(r["DeathCause"]).strip()) for r in rows]
+
+
 def actor_restarts(actor_id: str) -> int:
     """How many times Ray restarted the actor."""
     import ray._private.state

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from ray import cloudpickle
 
-from drills import (JOB_TIMEOUT_S, SMALL, JobThread, actor_restarts, alive_actors, check_epochs,
-                    killed_fixed_run, logged, resumed_run, wait_until)  # noqa: F401 (fixtures)
+from drills import (JOB_TIMEOUT_S, SMALL, JobThread, actor_ids, actor_restarts, actor_states, alive_actors,
+                    check_epochs, killed_fixed_run, logged, resumed_run, wait_until)  # noqa: F401 (fixtures)
 
 # The custom models below must reach the workers by value: tests/ is not on their path.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -41,9 +41,13 @@ def test_sampler_actor_killed_is_replaced(ray_cluster, tmp_path):
 
     The stream of all epochs is sampled ahead of training, so the actor is
     killed as soon as it is up, while it still has most rows to sample; a
-    bigger, denser graph makes that take several seconds.
+    bigger, denser graph makes that take several seconds. The replacement is
+    the same actor restarted by Ray or, rarely, a new one Ray Data's pool
+    starts in its place (seen once in CI: the killed actor was not restarted,
+    yet the run finished on a replacement).
     """
     epochs = 2
+    earlier = actor_ids("SamplerActor")  # the session's earlier runs' actors
     job = JobThread(SMALL + ["--synthetic-nodes", "20000", "--synthetic-avg-degree", "30", "--fanouts", "15,15",
                              "--epochs", str(epochs), "--storage-path", str(tmp_path), "--name", "d2"])
     wait_until(lambda: bool(alive_actors("SamplerActor")), JOB_TIMEOUT_S, "the sampler actor", job)
@@ -56,7 +60,9 @@ def test_sampler_actor_killed_is_replaced(ray_cluster, tmp_path):
     assert job.error is None, repr(job.error)
     assert job.summary.restarts == 0
     check_epochs(logged(tmp_path, "d2"), epochs, restarts=0)
-    assert actor_restarts(sampler.actor_id) >= 1
+    started = actor_ids("SamplerActor") - earlier - {sampler.actor_id}
+    assert actor_restarts(sampler.actor_id) >= 1 or started, (
+        f"the killed sampler actor was never replaced: {actor_states(actor_ids('SamplerActor') - earlier)}")
 
 
 class _NodeOnlyJob:
