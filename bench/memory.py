@@ -47,7 +47,7 @@ class MemoryProbe:
         """(USS, PSS) in bytes, after handing freed heap back to the OS."""
         import psutil
 
-        from gnnray.train.report import trim_heap
+        from gnnray.heap import trim_heap
 
         gc.collect()
         trim_heap()

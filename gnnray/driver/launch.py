@@ -19,6 +19,7 @@ from gnnray.store.handle import GraphHandle
 from gnnray.driver import preflight
 from gnnray.driver.connect import init_ray
 from gnnray.errors import ClusterError
+from gnnray.heap import trim_heap
 
 # gnnray.driver.console is imported where used, once Ray has started.
 
@@ -105,13 +106,18 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     else:
         loaded, local = _load(cfg, model_check), None
     if cfg.data.feature_shards == 1:
-        return Published(*publish_checked(cfg, loaded, local))
-    # A table read into memory is written once, a file per shard, and dropped here (the only reference):
-    # shards, and lost ones later, are made from those files on their nodes.
-    graph, source = loaded
-    del loaded
-    source = _spill(cfg, graph, source)
-    return _publish_sharded(cfg, graph, source, local)
+        published = Published(*publish_checked(cfg, loaded, local))
+        del loaded
+    else:
+        # A table read into memory is written once, a file per shard, and dropped here (the only reference):
+        # shards, and lost ones later, are made from those files on their nodes.
+        graph, source = loaded
+        del loaded
+        source = _spill(cfg, graph, source)
+        published = _publish_sharded(cfg, graph, source, local)
+        del graph, source
+    trim_heap()  # what glibc keeps of the freed loading copy goes back to the OS
+    return published
 
 
 def _load(cfg: JobConfig, model_check: Optional[Callable[[int, int], None]]):

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from gnnray import storage
+from gnnray.heap import trim_heap
 from gnnray.storage import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 from gnnray.train import checkpoint
 from gnnray.train.embedding import EmbeddingTable
@@ -162,13 +163,3 @@ def _report_with_checkpoint(metrics: dict, model, optimizer, run_dir: Optional[s
     checkpoint.save(path, getattr(model, "module", model), optimizer, metrics, config=config, embedding=entry)
     ray.train.report(metrics, checkpoint=ray.train.Checkpoint(fs_path, filesystem=ray_storage.storage_filesystem),
                      checkpoint_dir_name=name, checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the OS (glibc ``malloc_trim``), so USS shows what is held, not cached."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
