@@ -134,3 +134,26 @@ def session_dir() -> str:
     import ray._private.worker
 
     return ray._private.worker._global_node.get_session_dir_path()
+
+
+def plain_framework_versions() -> None:
+    """In Ray Train's controller: the framework versions it sends its state actor become plain strings.
+
+    Ray Train reads them on rank 0 as each module's ``__version__``; torch's is
+    a ``TorchVersion``, a ``str`` subclass of torch's, and unpickling one in the
+    state actor imports the whole of torch there (0.26 GB of that process's own
+    memory) for a version the Train view shows as text. Idempotent.
+    """
+    from ray.train.v2._internal.callbacks import state_manager
+
+    if not hasattr(state_manager, "_gnnray_read_versions"):
+        state_manager._gnnray_read_versions = state_manager._get_framework_version
+        state_manager._get_framework_version = _plain_versions
+
+
+def _plain_versions(framework) -> dict:
+    """Ray Train's ``_get_framework_version`` on rank 0 (called there by reference), its values as ``str``."""
+    from ray.train.v2._internal.callbacks import state_manager
+
+    read = getattr(state_manager, "_gnnray_read_versions", state_manager._get_framework_version)
+    return {name: str(version) for name, version in read(framework).items()}

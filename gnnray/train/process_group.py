@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ray.train.torch.config import TorchConfig
 
 from gnnray.ray_internals import TorchBackend as _TorchBackend
+from gnnray.ray_internals import plain_framework_versions
 
 
 def bind_device() -> None:
@@ -45,7 +46,8 @@ def worker_gpu():
 
 
 class _BoundBackend(_TorchBackend):
-    def on_start(self, worker_group, backend_config):
+    def on_start(self, worker_group, backend_config):  # in Ray Train's controller
+        plain_framework_versions()  # before Train's state callback reads them (it runs after this one)
         worker_group.execute(bind_device)
         super().on_start(worker_group, backend_config)
 

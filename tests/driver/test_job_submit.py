@@ -156,6 +156,15 @@ def test_submitted_job_succeeds_and_logs_epochs(head, tmp_path):
     # The dashboard's Train view (its HTTP API for Train V2 runs) lists the run, finished.
     runs = head.api("/api/train/v2/runs/v1")["train_runs"]
     assert [r["status"] for r in runs if r["name"] == "submitted"] == ["FINISHED"], runs
+    # With torch's version as text, which Ray Train's state actor (behind the view) reads without importing
+    # torch: torch.__version__ is a str subclass of torch's own, and unpickling one loads all of torch.
+    import torch
+
+    [run] = [r for r in runs if r["name"] == "submitted"]
+    assert run["framework_versions"]["torch"] == str(torch.__version__), run["framework_versions"]
+    query = "/api/v0/actors?detail=1&filter_keys=class_name&filter_predicates=%3D&filter_values=TrainStateActor"
+    [state] = [a for a in head.api(query)["data"]["result"]["result"] if a["state"] == "ALIVE"]
+    assert "libtorch" not in Path(f"/proc/{state['pid']}/maps").read_text()
 
     # What was uploaded: the sources, without venv, VCS data or outputs (.rayignore).
     pkg_dirs = [p for p in Path(head.temp).glob("session_2*/runtime_resources/working_dir_files/*") if p.is_dir()]
