@@ -98,7 +98,7 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     local cluster, seconds of waiting for its processes) leave a core to spare.
     """
     _import_fork_hooks()
-    threading.Thread(target=_import_torch, name="import torch", daemon=True).start()
+    _import_torch_meanwhile()
     if overlap_ray:
         loading = _Thread(_load, cfg, model_check)
         local = init_ray(cfg)
@@ -151,6 +151,18 @@ def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource
 
 def _import_torch() -> None:
     import torch  # noqa: F401
+
+
+def _import_torch_meanwhile() -> None:
+    """Import torch on a thread, which an exit waits for (not a daemon).
+
+    A process that exits while a daemon thread is inside torch's import (a bad
+    option or cluster found first) finalizes a half-imported torch, whose
+    finalizers then raise on the console ("TypeError: 'NoneType' object is not
+    callable" in ``torch/library.py``); joining it from an exit handler is too
+    late (torch's import registers exit handlers of its own).
+    """
+    threading.Thread(target=_import_torch, name="import torch", daemon=False).start()
 
 
 def _import_fork_hooks() -> None:

@@ -445,3 +445,26 @@ def test_read_only_alias_is_unmapped_with_its_last_view(ray_cluster):
     del feat
     gc.collect()
     assert read_only_store_bytes() == before
+
+
+# Exits at once after the driver starts importing torch on its thread, as load_and_publish does (a run refused
+# before Ray connects); the first exit handler registered runs last and says whether torch's import had finished by then.
+_EARLY_EXIT = """
+import atexit, sys
+atexit.register(lambda: print("TORCH", "torch" in sys.modules and hasattr(sys.modules["torch"], "nn"), flush=True))
+from gnnray.driver import launch
+launch._import_fork_hooks()
+launch._import_torch_meanwhile()
+sys.exit(2)
+"""
+
+
+def test_an_early_exit_waits_for_the_torch_import():
+    """A driver that exits while torch imports on its thread finalizes no half-imported torch (seen in CI: a
+    traceback from torch's finalizers after a refused run's one line)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EARLY_EXIT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout.split() == ["TORCH", "True"], (out.stdout, out.stderr[-2000:])
+    assert not out.stderr.strip(), out.stderr[-2000:]
