@@ -159,8 +159,8 @@ def _import_torch_meanwhile() -> None:
     A process that exits while a daemon thread is inside torch's import (a bad
     option or cluster found first) finalizes a half-imported torch, whose
     finalizers then raise on the console ("TypeError: 'NoneType' object is not
-    callable" in ``torch/library.py``); joining it from an exit handler is too
-    late (torch's import registers exit handlers of its own).
+    callable" in ``torch/library.py``). Joining it from an ``atexit`` handler
+    is too late: imports that register exit handlers then fail.
     """
     threading.Thread(target=_import_torch, name="import torch", daemon=False).start()
 

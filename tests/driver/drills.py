@@ -24,7 +24,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from gnnray import storage
+from gnnray import ray_internals, storage
 from gnnray.train import checkpoint
 from gnnray.config import parse_args
 from gnnray.driver.fit import run
@@ -121,16 +121,12 @@ def alive_actors(class_part: str) -> list[Actor]:
 
 def actor_ids(class_part: str) -> set[str]:
     """The ids of every actor, alive or dead, whose class name contains ``class_part``."""
-    import ray._private.state
-
-    return {a["ActorID"] for a in ray._private.state.actors().values() if class_part in a["ActorClassName"]}
+    return {a["ActorID"] for a in ray_internals.actor_table().values() if class_part in a["ActorClassName"]}
 
 
 def actor_states(actor_ids: set[str]) -> list[tuple]:
     """(id, state, restarts, death cause) of each of ``actor_ids``, for a failure's message."""
-    import ray._private.state
-
-    rows = (ray._private.state.actors(a) for a in sorted(actor_ids))
+    rows = (ray_internals.actor_table(a) for a in sorted(actor_ids))
     return [(r["ActorID"][:8], r["State"], r["NumRestarts"], str(r["DeathCause"]).strip()) for r in rows]
 
 
