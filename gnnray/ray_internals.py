@@ -6,7 +6,7 @@ Each was read from Ray 2.60.0, the version :data:`gnnray.stack.RAY` pins and eve
 
 Imports are lazy: importing this module costs nothing, and each function loads only what it uses. The
 base classes gnnray subclasses (Ray Data's backpressure policy and execution callback in
-``pipeline/read_ahead.py``, Ray Train's torch backend in ``train/process_group.py``) come as this module's
+``pipeline/read_ahead.py``) and Ray Train's framework names (``train/process_group.py``) come as this module's
 attributes, loaded on first use.
 """
 
@@ -18,8 +18,8 @@ from typing import Optional
 # (ray/_private/authentication/authentication_token_setup.py).
 TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 
-# Name here -> (module, name there): Ray Data's execution internals that read_ahead.py builds on, and the
-# backend Ray Train's TorchConfig starts (process_group.py binds each rank's device in it).
+# Name here -> (module, name there): Ray Data's execution internals that read_ahead.py builds on, and Ray
+# Train's framework names (process_group.py's backend names torch, whose version the Train view shows).
 _LAZY = {
     "BackpressurePolicy": ("ray.data._internal.execution.backpressure_policy", "BackpressurePolicy"),
     "ENABLED_BACKPRESSURE_POLICIES": ("ray.data._internal.execution.backpressure_policy",
@@ -27,7 +27,7 @@ _LAZY = {
     "ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY": ("ray.data._internal.execution.backpressure_policy",
                                                  "ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY"),
     "ExecutionCallback": ("ray.data._internal.execution.execution_callback", "ExecutionCallback"),
-    "TorchBackend": ("ray.train.torch.config", "_TorchBackend"),
+    "TrainingFramework": ("ray.train.v2._internal.util", "TrainingFramework"),
 }
 
 

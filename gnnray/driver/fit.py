@@ -189,11 +189,12 @@ def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tu
 def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local: bool) -> None:
     """One Ray Train attempt over the stream of sampled mini-batches."""
     import ray.train
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from gnnray.train.process_group import BoundTorchConfig
+    from gnnray.train.process_group import ProcessGroupConfig
 
     from gnnray.driver.split import StartedSplit, split_by_driver
+    from gnnray.pipeline.sampler import packed_bytes_at_most
     from gnnray.pipeline.seeds import SeedPlan
     from gnnray.pipeline.stream import execution_options, minibatch_stream
     from gnnray.train.loop import train_loop
@@ -202,7 +203,10 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     workers = cfg.train.workers_max
-    plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, workers, cfg.run.seed)
+    # Where actors sample, a batch's bytes at most size the stream's blocks (the read-ahead holds them).
+    row_bytes = packed_bytes_at_most(graph, cfg.sampler.fanouts, cfg.sampler.batch_size) \
+        if cfg.sampler.sample_on != "device" else 0
+    plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, workers, cfg.run.seed, row_bytes)
     selectors = plans.beside_shards(cfg, setup.graph, use_gpu, preflight.nodes())  # None: Ray Train places them
     placed = sum(1 for s in selectors or () if s)
     if setup.graph.features is not None and placed < workers:
@@ -214,10 +218,10 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu, first_step=setup.first_step,
                               stack=setup.stack)
     split = StartedSplit(stream, workers, execution_options())
-    trainer = TorchTrainer(
+    trainer = DataParallelTrainer(
         train_loop,
         train_loop_config={"setup": setup},
-        torch_config=BoundTorchConfig(),  # no guessed GPU, no barrier warning on NCCL
+        backend_config=ProcessGroupConfig(),  # TorchConfig's work without torch in the controller
         scaling_config=ray.train.ScalingConfig(
             num_workers=workers, use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
@@ -258,9 +262,9 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     prints the resizes). The dashboard shows each start as an attempt of the run.
     """
     import ray.train
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from gnnray.train.process_group import BoundTorchConfig
+    from gnnray.train.process_group import ProcessGroupConfig
 
     from gnnray.driver.split import ElasticSplit, split_by_driver
     from gnnray.train.loop import train_loop
@@ -270,10 +274,10 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     log_event(setup.run_dir, "fit", num_workers=list(cfg.train.num_workers))  # attempts count from here
-    trainer = TorchTrainer(
+    trainer = DataParallelTrainer(
         train_loop,
         train_loop_config={"setup": setup},
-        torch_config=BoundTorchConfig(),  # no guessed GPU, no barrier warning on NCCL
+        backend_config=ProcessGroupConfig(),  # TorchConfig's work without torch in the controller
         scaling_config=ray.train.ScalingConfig(
             num_workers=(cfg.train.workers_min, cfg.train.workers_max), use_gpu=use_gpu,
             resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},

@@ -113,7 +113,9 @@ class Prefetcher:
     """Iterate mini-batches prepared ``depth`` steps ahead on a background thread.
 
     A yielded batch stays valid until the next call to ``next``: its host
-    buffers are then reused.
+    buffers are then reused. ``depth + 1`` host buffers in all: the thread
+    fills one as soon as the consumer hands its last one back (on CPU each is
+    a whole batch's features, 252 MB at products shape).
 
     Args:
         rows: Packed mini-batches (1-D int32 or int64 numpy arrays), read in order.
@@ -136,9 +138,13 @@ class Prefetcher:
         if self._cuda and self._device.index is None:  # the caller's current GPU, named: the thread sets it
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._feat = feat if isinstance(feat, FeatureReader) else LocalRows(feat)
-        self._slots = [HostSlot(pin=self._cuda) for _ in range(depth + 2)]
+        self._slots = [HostSlot(pin=self._cuda) for _ in range(depth + 1)]
+        self._free: queue.Queue = queue.Queue()  # slots the consumer handed back (or never had)
+        for slot in self._slots:
+            self._free.put(slot)
+        self._held: Optional[HostSlot] = None  # the slot of the batch the consumer was last given
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue = queue.Queue()  # bounded by the free slots
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="gnnray-prefetch", daemon=True)
         self._thread.start()
@@ -149,14 +155,18 @@ class Prefetcher:
     def __next__(self) -> MiniBatch:
         if self._stop.is_set():
             raise StopIteration
+        if self._held is not None:  # the last batch given is done with: its slot may be filled again
+            self._free.put(self._held)
+            self._held = None
         item = self._queue.get()
         if item is _END:
             self._queue.put(_END)  # stay exhausted on later calls
+            self._drop_slots()
             raise StopIteration
         if isinstance(item, _Failure):
             self._queue.put(item)
             raise item.exc
-        mb, ready, lookup = item
+        mb, ready, lookup, self._held = item
         if ready is not None:
             current = torch.cuda.current_stream(self._device)
             current.wait_event(ready)
@@ -193,13 +203,29 @@ class Prefetcher:
         self.close()
 
     def _put(self, item) -> bool:
+        if self._stop.is_set():
+            return False
+        self._queue.put(item)
+        return True
+
+    def _take_slot(self) -> Optional[HostSlot]:
+        """A slot the consumer is done with; ``None`` once closed."""
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
                 pass
-        return False
+        return None
+
+    def _drop_slots(self) -> None:
+        """Let go of the host buffers (a batch's features each), before what follows the last epoch
+        (evaluation) allocates its own."""
+        self._slots = []
+        while True:
+            try:
+                self._free.get_nowait()
+            except queue.Empty:
+                return
 
     def _run(self, rows: Iterator[np.ndarray]) -> None:
         try:
@@ -207,14 +233,10 @@ class Prefetcher:
                 # A new thread starts on GPU 0: without this, every rank of a multi-GPU node would create a
                 # context there (pinned buffers, events) beside its own.
                 torch.cuda.set_device(self._device)
-            for i, packed in enumerate(rows):
-                if self._stop.is_set():
+            for packed in rows:
+                slot = self._take_slot()
+                if slot is None or not self._put((*self._prepare(packed, slot), slot)):
                     return
-                if not self._put(self._prepare(packed, self._slots[i % len(self._slots)])):
-                    return
-            # Every row prepared: the host buffers (a batch's features each) go once the batches that view them
-            # are taken, before what follows the last epoch (evaluation) allocates its own.
-            self._slots = []
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(_Failure(exc))

@@ -129,6 +129,38 @@ def make_sampler(graph: Graph, fanouts: Union[Fanouts, Sequence[int]], backend: 
     return Sampler(graph, fanouts, seed, threads)
 
 
+def rows_per_seed_at_most(graph: Graph, fanouts) -> int:
+    """Rows one seed can sample: each layer's fanouts (all relations', on a typed graph) all new nodes, a
+    fanout of -1 or above the largest in-degree counting as that degree."""
+    most = int(np.diff(graph.indptr).max()) if graph.num_nodes else 0
+    unlisted = max(1, graph.num_relations) - len(fanouts.relations)  # relations on the default list
+    rows = frontier = 1
+    for i, layer in enumerate(fanouts.layers):
+        per = [layer] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]
+        frontier *= min(most, sum(f if 0 <= f <= most else most for f in per))
+        rows += frontier
+    return min(rows, max(1, graph.num_nodes))
+
+
+def packed_bytes_at_most(graph: Graph, fanouts, batch_size: int) -> int:
+    """A packed mini-batch's bytes at most (:meth:`MiniBatch.pack`): from the seeds outward, every destination
+    samples its fanouts (all relations', each at most the largest in-degree), every sampled edge brings a new
+    node, and the graph's node count caps each layer's nodes; at the graph's id width.
+    Products-shaped (fanouts 15,10,5, 1,024 seeds): 9.0 MB, against 6.5 MB sampled."""
+    from gnnray.pipeline.batch import id_dtype
+
+    most = int(np.diff(graph.indptr).max()) if graph.num_nodes else 0
+    unlisted = max(1, graph.num_relations) - len(fanouts.relations)
+    typed = graph.num_relations > 1
+    dst, values = batch_size, 5 + 2 * batch_size  # header, seeds, labels
+    for i in reversed(range(len(fanouts.layers))):
+        per = [fanouts.layers[i]] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]
+        edges = dst * min(most, sum(f if 0 <= f <= most else most for f in per))
+        values += 3 + dst + 1 + edges * (2 if typed else 1)  # shape, offsets, indices (and relations)
+        dst = min(max(1, graph.num_nodes), dst + edges)
+    return (values + dst) * id_dtype(graph.num_nodes).itemsize  # and the input nodes
+
+
 class SamplerActor:
     """The callable class of the sampler actor pool (one instance per actor).
 

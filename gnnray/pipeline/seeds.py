@@ -47,6 +47,10 @@ import numpy as np
 # (docs/performance.md#the-data-path-and-why). Blocks are also the units the pool shares out, so
 # they stay small: one block per epoch left all but one actor idle.
 ROWS_PER_BLOCK = 16
+# ...and of at most about this many bytes of packed batches: the read-ahead holds blocks in the object store
+# (three per actor, two per worker), and a dense graph's batch is megabytes (products-shaped: 6.5 MB, so 96
+# batches written ahead took 0.6 GB), while a call that samples megabytes has spread its fixed work already.
+BLOCK_BYTES = 32 * 2**20
 # ...but at most this many blocks: each is one ray.put on the driver, so a
 # long run on a large graph still builds its stream in seconds.
 _MAX_BLOCKS = 4096
@@ -82,6 +86,8 @@ class SeedPlan:
         global_batches: An elastic run's plan: the permutation is cut into
             ``steps`` global batches, each into ``ranks`` pieces (see the
             module docstring); otherwise into ``steps * ranks`` batches at once.
+        row_bytes: A packed mini-batch's bytes at most, where known
+            (:func:`gnnray.pipeline.sampler.packed_bytes_at_most`); it sizes the stream's blocks (0: unknown).
     """
 
     train_idx: np.ndarray
@@ -89,15 +95,18 @@ class SeedPlan:
     ranks: int
     seed: int
     global_batches: bool = False
+    row_bytes: int = 0
 
     @property
     def rows_per_epoch(self) -> int:
         return self.steps * self.ranks
 
     @staticmethod
-    def for_run(train_idx: np.ndarray, batch_size: int, num_workers: int, seed: int) -> "SeedPlan":
+    def for_run(train_idx: np.ndarray, batch_size: int, num_workers: int, seed: int, row_bytes: int = 0
+                ) -> "SeedPlan":
         """A fixed run's plan: ``num_workers`` ranks of ``batch_size`` seeds each."""
-        return SeedPlan(train_idx, steps_per_epoch(len(train_idx), batch_size, num_workers), num_workers, seed)
+        return SeedPlan(train_idx, steps_per_epoch(len(train_idx), batch_size, num_workers), num_workers, seed,
+                        row_bytes=row_bytes)
 
     @staticmethod
     def elastic(train_idx: np.ndarray, batch_size: int, max_workers: int, world_size: int, seed: int) -> "SeedPlan":
@@ -134,12 +143,14 @@ class SeedReader:
 def block_rows(plan: SeedPlan, first_epoch: int, num_epochs: int) -> int:
     """Rows per seed block of the stream for epochs ``first_epoch .. num_epochs - 1``.
 
-    :data:`ROWS_PER_BLOCK`, or more for a run so long that it would need
-    more than :data:`_MAX_BLOCKS` blocks. The read-ahead limit is computed
-    from this same number (:func:`gnnray.pipeline.stream.read_ahead_rows`).
+    :data:`ROWS_PER_BLOCK`, fewer where that many would hold more than
+    :data:`BLOCK_BYTES` (``plan.row_bytes``), or more for a run so long that
+    it would need more than :data:`_MAX_BLOCKS` blocks. The read-ahead limit
+    is computed from this same number (:func:`gnnray.pipeline.stream.read_ahead_rows`).
     """
+    rows = min(ROWS_PER_BLOCK, max(1, BLOCK_BYTES // plan.row_bytes)) if plan.row_bytes else ROWS_PER_BLOCK
     groups = max(1, _MAX_BLOCKS // plan.ranks)  # a group of steps is one block per rank
-    return max(ROWS_PER_BLOCK, math.ceil((num_epochs - first_epoch) * plan.steps / groups))
+    return max(rows, math.ceil((num_epochs - first_epoch) * plan.steps / groups))
 
 
 def stream_rows(plan: SeedPlan, first_epoch: int, num_epochs: int, first_step: int = 0) -> list[np.ndarray]:

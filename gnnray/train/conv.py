@@ -44,7 +44,7 @@ class Dropout(nn.Dropout):
         n = x.numel()
         words = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
         keep = words.view(torch.int16)[:n].view(x.shape) >= round(self.p * 65536) - 32768
-        return (x * keep).mul_(1 / (1 - self.p))
+        return x * keep.to(x.dtype).mul_(1 / (1 - self.p))  # a float mask: backward multiplies by it, unpromoted
 
 
 class Csr:

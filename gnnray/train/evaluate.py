@@ -30,7 +30,7 @@ from gnnray.store.handle import GraphHandle
 from gnnray.pipeline.batch import MiniBatch
 from gnnray.pipeline.feature_reader import FeatureReader, LocalRows
 from gnnray.pipeline.prefetch import HostSlot, Prefetcher
-from gnnray.pipeline.sampler import start_evaluation_sampler
+from gnnray.pipeline.sampler import rows_per_seed_at_most, start_evaluation_sampler
 from gnnray.train.embedding import NodeEmbedding
 
 
@@ -173,19 +173,6 @@ def row_bound(num_nodes: int, slots: int) -> int:
     table is in the object store once per node; evaluation adds at most half as much again), or
     :data:`ROWS_AT_LEAST` each."""
     return max(ROWS_AT_LEAST, int(num_nodes / (2 * 1.25 * slots)))
-
-
-def rows_per_seed_at_most(graph: Graph, fanouts) -> int:
-    """Rows one seed can sample: each layer's fanouts (all relations', on a typed graph) all new nodes, a
-    fanout of -1 or above the largest in-degree counting as that degree."""
-    most = int(np.diff(graph.indptr).max()) if graph.num_nodes else 0
-    unlisted = max(1, graph.num_relations) - len(fanouts.relations)  # relations on the default list
-    rows = frontier = 1
-    for i, layer in enumerate(fanouts.layers):
-        per = [layer] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]
-        frontier *= min(most, sum(f if 0 <= f <= most else most for f in per))
-        rows += frontier
-    return min(rows, max(1, graph.num_nodes))
 
 
 class _Here:

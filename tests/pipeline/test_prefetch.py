@@ -183,6 +183,20 @@ def test_the_thread_lets_go_of_its_buffers_after_the_last_row(feat):
     close_or_fail(p)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_it_fills_depth_plus_one_buffers(feat, depth):
+    """The consumer's batch and ``depth`` ahead: a buffer is filled again once the consumer hands it back, so a
+    long stream uses ``depth + 1`` of them (on CPU each holds a batch's features: 252 MB at products shape)."""
+    rows = [make_packed(i % 50, 3) for i in range(40)]
+    p = Prefetcher(rows, feat, "cpu", depth=depth)
+    slots = list(p._slots)
+    for i, mb in enumerate(p):
+        time.sleep(0.001)  # the thread runs as far ahead as it may
+        check(mb, rows[i], feat)
+    assert sum(s._feat.numel() > 0 for s in slots) == depth + 1
+    close_or_fail(p)
+
+
 def test_read_only_features_are_fine(feat):
     ro = feat.copy()
     ro.flags.writeable = False

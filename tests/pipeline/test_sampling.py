@@ -357,3 +357,30 @@ def test_bad_fanouts_texts_are_refused_saying_what_is_wrong(text, says):
     with pytest.raises(ConfigError) as info:
         parse_args(["--fanouts", text])
     assert str(info.value).startswith("--fanouts ") and says in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+@pytest.mark.parametrize("fanouts", FANOUTS, ids=lambda f: ",".join(map(str, f)))
+def test_a_packed_batch_is_within_its_bound(name, fanouts):
+    """The bound sizes the stream's blocks (and with them what the read-ahead holds in the object store)."""
+    from gnnray.pipeline.sampler import packed_bytes_at_most
+
+    graph = GRAPHS[name]()
+    sampler = make_sampler(graph, fanouts)
+    rng = np.random.default_rng(3)
+    for size in (1, 5, min(40, graph.num_nodes)):
+        for _ in range(3):
+            packed = sampler.sample(rng.choice(graph.num_nodes, size, replace=False)).pack(sampler.id_dtype)
+            assert packed.nbytes <= packed_bytes_at_most(graph, Fanouts.of_value(fanouts), size), (size, packed.nbytes)
+
+
+@pytest.mark.parametrize("text", TYPED_FANOUTS)
+def test_a_typed_batch_is_within_its_bound(text):
+    from gnnray.pipeline.sampler import packed_bytes_at_most
+
+    graph, fanouts = typed_graph(int32=True), Fanouts.parse(text)
+    sampler = make_sampler(graph, fanouts)
+    rng = np.random.default_rng(4)
+    for size in (1, 7, 40):
+        packed = sampler.sample(rng.choice(graph.num_nodes, size, replace=False)).pack(sampler.id_dtype)
+        assert packed.nbytes <= packed_bytes_at_most(graph, fanouts, size), (size, packed.nbytes)

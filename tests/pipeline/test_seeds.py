@@ -104,6 +104,20 @@ def test_seed_dataset_caps_its_block_count(ray_cluster, monkeypatch):
     assert sorted(int(r["row"]) for r in ds.take_all()) == list(range(4 * 26))
 
 
+@pytest.mark.parametrize("row_bytes, rows", [(0, 16), (64 << 10, 16), (6_500_000, 5), (9_000_000, 3),
+                                              (200 << 20, 1)])
+def test_blocks_of_large_batches_hold_fewer(row_bytes, rows):
+    """A block is at most about BLOCK_BYTES of packed batches: the read-ahead keeps blocks in the object store,
+    three per actor and two per worker (products-shaped batches of 6.5 MB: 96 of them took 0.6 GB)."""
+    from gnnray.pipeline.seeds import block_rows, stream_rows
+
+    plan = SeedPlan.for_run(np.arange(4000), batch_size=10, num_workers=2, seed=0, row_bytes=row_bytes)
+    assert block_rows(plan, 0, 3) == rows
+    blocks = stream_rows(plan, 0, 3)
+    assert {len(b) for b in blocks[:-2]} == {rows}
+    assert np.array_equal(np.sort(np.concatenate(blocks)), np.arange(3 * plan.rows_per_epoch))
+
+
 def test_fixed_plan_is_the_plan_of_before():
     """A fixed run's rows hold the seeds they always held: the permutation cut into steps x N batches."""
     ids = np.arange(500, 713, dtype=np.int64)
