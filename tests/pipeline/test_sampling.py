@@ -384,3 +384,11 @@ def test_a_typed_batch_is_within_its_bound(text):
     for size in (1, 7, 40):
         packed = sampler.sample(rng.choice(graph.num_nodes, size, replace=False)).pack(sampler.id_dtype)
         assert packed.nbytes <= packed_bytes_at_most(graph, fanouts, size), (size, packed.nbytes)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 22])
+def test_the_largest_in_degree_is_read_a_chunk_at_a_time(chunk):
+    from gnnray.pipeline.sampler import max_in_degree
+
+    graph = tiny_graph(num_nodes=50, num_edges=400, seed=5)
+    assert max_in_degree(graph, chunk) == int(np.diff(graph.indptr).max())
