@@ -56,7 +56,7 @@ def start_train_singletons() -> None:
     from ray.train.v2._internal.state.state_actor import get_or_create_state_actor
 
     get_or_create_autoscaling_coordinator()
-    if env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False):  # as TorchTrainer decides it
+    if env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False):  # as Ray Train's trainers decide it
         get_or_create_state_actor()
 
 

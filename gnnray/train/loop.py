@@ -76,7 +76,7 @@ class StreamStart:
 
 
 def train_loop(config: dict) -> None:
-    """The ``train_loop_per_worker`` of the job's ``TorchTrainer``; ``config["setup"]`` is a :class:`WorkerSetup`.
+    """The ``train_loop_per_worker`` of the job's Ray Train trainer; ``config["setup"]`` is a :class:`WorkerSetup`.
 
     Its steps, in order: where this group's stream starts (:class:`StreamStart`), the model and embedding
     (:func:`build`), the checkpoint restored into them (:func:`restore`), DDP and the optimizer

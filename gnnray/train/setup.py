@@ -2,8 +2,8 @@
 
 Ray Train's controller and its state actor unpickle the training function's
 config, and with it this module: they need none of the worker's stages
-(sampling, prefetch, models, embeddings), which ``train/loop.py`` imports.
-(They import torch anyway, through Ray Train's ``TorchConfig``.)
+(sampling, prefetch, models, embeddings), which ``train/loop.py`` imports,
+nor torch (the backend config they unpickle is ``train/process_group.py``'s).
 """
 
 from __future__ import annotations
