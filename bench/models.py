@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -140,7 +141,7 @@ def main(argv=None) -> None:
     print(format_table(rows))
     out = dict(result, threads=args.threads, repeats=args.repeats, machine=machine(), torch=torch.__version__,
                rows=[r.__dict__ for r in rows], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    path = __import__("pathlib").Path(args.json)
+    path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
 
@@ -164,7 +165,7 @@ def compare_huge_pages(args) -> None:
                 subprocess.run([sys.executable, "-m", "bench.models", "--models", args.models, "--shape", args.shape,
                                 "--repeats", str(args.repeats), "--threads", str(args.threads), "--json", out],
                                env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-                for name, t in json.loads(open(out).read())["times_s"].items():
+                for name, t in json.loads(Path(out).read_text())["times_s"].items():
                     times[side].setdefault(name, []).extend(t["ours"])
     rows = []
     for name in names:
@@ -176,7 +177,7 @@ def compare_huge_pages(args) -> None:
     print(format_table(rows))
     out = dict(shape=args.shape, threads=args.threads, times_s=times, machine=machine(), torch=torch.__version__,
                rows=[r.__dict__ for r in rows], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    path = __import__("pathlib").Path(args.json)
+    path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
 

@@ -135,33 +135,37 @@ def max_in_degree(graph: Graph, chunk: int = 1 << 22) -> int:
                default=0)
 
 
-def rows_per_seed_at_most(graph: Graph, fanouts) -> int:
-    """Rows one seed can sample: each layer's fanouts (all relations', on a typed graph) all new nodes, a
-    fanout of -1 or above the largest in-degree counting as that degree."""
+def layer_fanouts_at_most(graph: Graph, fanouts) -> list[int]:
+    """Each layer's edges per destination at most, input layer first: its fanouts (all relations', on a typed
+    graph) summed, a fanout of -1 or above the largest in-degree counting as that degree, and the sum at most
+    that degree."""
     most = max_in_degree(graph)
     unlisted = max(1, graph.num_relations) - len(fanouts.relations)  # relations on the default list
+    return [min(most, sum(f if 0 <= f <= most else most
+                          for f in [layer] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]))
+            for i, layer in enumerate(fanouts.layers)]
+
+
+def rows_per_seed_at_most(graph: Graph, fanouts) -> int:
+    """Rows one seed can sample: each layer's fanouts all new nodes (:func:`layer_fanouts_at_most`)."""
     rows = frontier = 1
-    for i, layer in enumerate(fanouts.layers):
-        per = [layer] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]
-        frontier *= min(most, sum(f if 0 <= f <= most else most for f in per))
+    for f in layer_fanouts_at_most(graph, fanouts):
+        frontier *= f
         rows += frontier
     return min(rows, max(1, graph.num_nodes))
 
 
 def packed_bytes_at_most(graph: Graph, fanouts, batch_size: int) -> int:
     """A packed mini-batch's bytes at most (:meth:`MiniBatch.pack`): from the seeds outward, every destination
-    samples its fanouts (all relations', each at most the largest in-degree), every sampled edge brings a new
-    node, and the graph's node count caps each layer's nodes; at the graph's id width.
+    samples its fanouts (:func:`layer_fanouts_at_most`), every sampled edge brings a new node, and the graph's
+    node count caps each layer's nodes; at the graph's id width.
     Products-shaped (fanouts 15,10,5, 1,024 seeds): 9.0 MB, against 6.5 MB sampled."""
     from gnnray.pipeline.batch import id_dtype
 
-    most = max_in_degree(graph)
-    unlisted = max(1, graph.num_relations) - len(fanouts.relations)
     typed = graph.num_relations > 1
     dst, values = batch_size, 5 + 2 * batch_size  # header, seeds, labels
-    for i in reversed(range(len(fanouts.layers))):
-        per = [fanouts.layers[i]] * max(0, unlisted) + [fs[i] for _, fs in fanouts.relations]
-        edges = dst * min(most, sum(f if 0 <= f <= most else most for f in per))
+    for f in reversed(layer_fanouts_at_most(graph, fanouts)):
+        edges = dst * f
         values += 3 + dst + 1 + edges * (2 if typed else 1)  # shape, offsets, indices (and relations)
         dst = min(max(1, graph.num_nodes), dst + edges)
     return (values + dst) * id_dtype(graph.num_nodes).itemsize  # and the input nodes
