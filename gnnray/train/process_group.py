@@ -9,11 +9,13 @@ does what that backend does for gloo and NCCL (rank 0's address for the
 workers. It also passes each NCCL rank's own GPU as ``device_id``, which
 ``TorchConfig`` leaves out: NCCL then guesses the GPU from the global rank
 (warning of hangs where ranks and GPUs do not map one to one) and every
-``barrier()`` warns that it uses the current device.
+``barrier()`` warns that it uses the current device. Not on torch 2.7.0, where
+``device_id`` can hang NCCL's start at random (fixed in 2.7.1).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +25,29 @@ from ray.train.backend import Backend, BackendConfig
 
 from gnnray import ray_internals
 
-_SHUTDOWN_TIMEOUT_S = 30  # Ray Train's own default for the same wait
+logger = logging.getLogger(__name__)
+
+# Ray Train's own variable and default for how long the workers may take to leave the group at its end.
+SHUTDOWN_TIMEOUT_ENV, _SHUTDOWN_TIMEOUT_S = "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", 30.0
+# torch versions on which device_id can hang NCCL's start (pytorch/pytorch#153960).
+_DEVICE_ID_HANGS = ("2.7.0",)
+
+
+def shutdown_timeout_s() -> float:
+    """Seconds the workers may take to leave the group: ``TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S``, else 30."""
+    text = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(text) if text else _SHUTDOWN_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{SHUTDOWN_TIMEOUT_ENV}={text!r}: expected a positive number of seconds")
+    return value
+
+
+def binds_device(torch_version: str) -> bool:
+    """Whether an NCCL rank passes its GPU as ``device_id``: on every torch but those where that can hang."""
+    return torch_version.split("+")[0] not in _DEVICE_ID_HANGS
 
 
 def worker_gpu():
@@ -55,15 +79,17 @@ def set_rank_env(addr: str, port: int) -> None:
 
 def init_process_group(backend: str, world_rank: int, world_size: int, timeout_s: float,
                        init_method: str = "env://") -> None:
-    """In a train worker: join the group; an NCCL rank names its own GPU, and a timed-out collective fails
-    rather than hangs (as Ray Train sets it, unless the user chose)."""
+    """In a train worker: join the group; an NCCL rank names its own GPU (:func:`binds_device`), and a timed-out
+    collective fails rather than hangs (as Ray Train sets it, unless the user chose)."""
+    import torch
     import torch.distributed as dist
 
     kwargs = {}
     if backend == "nccl":
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ:
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
-        kwargs["device_id"] = worker_gpu()
+        if binds_device(torch.__version__):
+            kwargs["device_id"] = worker_gpu()
     dist.init_process_group(backend=backend, init_method=init_method, rank=world_rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), **kwargs)
 
@@ -103,6 +129,7 @@ class _Backend(Backend):
     def on_start(self, worker_group, backend_config: "ProcessGroupConfig"):  # in Ray Train's controller
         import ray
 
+        shutdown_timeout_s()  # a bad value fails the start, not the end
         ray_internals.plain_framework_versions()  # before Train's state callback reads them (it runs after this)
         gpus = worker_group.get_resources_per_worker().get("GPU", 0)
         backend = backend_config.backend or ("nccl" if gpus > 0 else "gloo")
@@ -116,11 +143,13 @@ class _Backend(Backend):
         import ray
         from ray.exceptions import GetTimeoutError
 
+        timeout_s = shutdown_timeout_s()
         try:
             ray.get(worker_group.execute_async(leave_process_group, destroy=len(worker_group) > 1),
-                    timeout=_SHUTDOWN_TIMEOUT_S)
-        except GetTimeoutError:
-            pass  # a rank stuck in a collective: Ray Train kills the workers next
+                    timeout=timeout_s)
+        except GetTimeoutError:  # a rank stuck in a collective: Ray Train kills the workers next
+            logger.warning(f"torch process group: the workers did not leave it within {timeout_s:g}s "
+                           f"({SHUTDOWN_TIMEOUT_ENV}); Ray Train ends them")
 
 
 @dataclass
