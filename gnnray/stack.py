@@ -1,9 +1,10 @@
-"""The software stack every process of a run shares with its driver: Python, Ray, torch, numpy, the sampler's library
-and gnnray's own sources.
+"""The software stack every process of a run shares with its driver: Python, Ray, torch, numpy, pyarrow, pandas,
+psutil, the sampler's library and gnnray's own sources.
 
 A node with another Ray can misread Ray's private state (gnnray uses some),
-another numpy or torch can unpickle the driver's objects differently, and
-another numba or DGL samples otherwise. So the driver checks every node it
+another numpy or torch can unpickle the driver's objects differently (pyarrow
+and pandas: Ray Data's blocks), another psutil reports memory otherwise to
+Ray's monitor and gnnray's metrics, and another numba or DGL samples otherwise. So the driver checks every node it
 sees at start (:func:`gnnray.driver.preflight.check_versions`), and every
 process that serves the run (train workers, sampler actors, shard servers,
 embedding owners, the inference task) checks its own node against the
@@ -45,7 +46,10 @@ DGL = "2.1.0"
 DGL_INSTALL = "pip install -e '.[dgl]' (torch 2.2.1, numpy < 2, Python 3.10-3.12)"
 # The stack cluster.yaml installs on every node (Python: its images' tag). To move the cluster to new releases,
 # change these and run `python -m gnnray.stack cluster.yaml`, which rewrites its setup_commands.
-CLUSTER = {"python": "3.11", "ray": RAY, "torch": "2.14.1", "numpy": "2.4.6", "numba": "0.68.1"}
+CLUSTER = {"python": "3.11", "ray": RAY, "torch": "2.14.1", "numpy": "2.4.6", "pyarrow": "26.0.1", "pandas": "3.1.1",
+           "psutil": "7.2.2", "numba": "0.68.1"}
+# Imported by every process of a run beside Ray and torch: their versions must equal the driver's.
+SHARED = ("numpy", "pyarrow", "pandas", "psutil")
 # The driver's stack (JSON) in the environment of the job's processes: what check_node compares with.
 DRIVER_ENV = "GNNRAY_DRIVER_STACK"
 
@@ -62,9 +66,9 @@ def installed(names) -> dict:
 
 
 def versions(backend: str = "native") -> dict:
-    """This process's stack: Python (major.minor), Ray, torch (without its build label), numpy, the sampler's
-    library for ``backend`` and gnnray (:func:`sources`)."""
-    found = installed(("ray", "torch", "numpy", SAMPLER_LIBRARY[backend]))
+    """This process's stack: Python (major.minor), Ray, torch (without its build label), :data:`SHARED`, the
+    sampler's library for ``backend`` and gnnray (:func:`sources`)."""
+    found = installed(("ray", "torch", *SHARED, SAMPLER_LIBRARY[backend]))
     if found["torch"]:
         found["torch"] = found["torch"].split("+")[0]
     return {"python": f"{sys.version_info[0]}.{sys.version_info[1]}", **found, "gnnray": sources()}

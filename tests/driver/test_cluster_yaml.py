@@ -86,8 +86,8 @@ def test_validation_is_real(config):
 
 def test_setup_commands_install_the_pinned_stack(config):
     """Every node, GPU nodes included, installs from PyPI the exact stack the driver's check demands (gnnray/stack.py's
-    CLUSTER, within pyproject's ranges) and pyproject's other dependencies: the train workers need torch only (its
-    PyPI wheel brings CUDA), so no node type swaps in DGL's CUDA build or another package index."""
+    CLUSTER, within pyproject's ranges) and pyproject's other dependencies, each pinned exactly: the train workers need
+    torch only (its PyPI wheel brings CUDA), so no node type swaps in DGL's CUDA build or another package index."""
     prepared = _prepared(config)
     pinned = _pinned()
     for name, node_type in prepared["available_node_types"].items():
@@ -101,10 +101,10 @@ def test_setup_commands_install_the_pinned_stack(config):
         assert set(pinned) <= set(installed) <= set(pinned) | {"boto3"}, commands  # Ray's default: boto3 on the head
         for name, req in pinned.items():
             assert installed[name].extras == req.extras, name
+            (pin,) = installed[name].specifier  # one exact version: a node added later installs the same one
+            assert pin.operator == "==" and pin.version in req.specifier, name
             if name in exact:
-                assert str(installed[name].specifier) == f"=={exact[name]}" and exact[name] in req.specifier, name
-            else:
-                assert installed[name].specifier == req.specifier, name
+                assert pin.version == exact[name], name
             assert all(not Version(s.version).local for s in installed[name].specifier), name  # no +cuXXX build
         words = [w for c in commands for w in shlex.split(c)]
         assert not {"-f", "--find-links", "-i", "--index-url", "--extra-index-url"} & set(words), commands

@@ -1,5 +1,6 @@
-"""The stack checked at start: every node runs the driver's Python, Ray, torch, numpy and sampler library, and the
-pinned Ray; a node that differs or does not answer is refused in one line, before anything starts."""
+"""The stack checked at start: every node runs the driver's Python, Ray, torch, numpy, pyarrow, pandas, psutil and
+sampler library, and the pinned Ray; a node that differs or does not answer is refused in one line, before anything
+starts."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def test_versions_read_metadata_without_importing():
     import json
 
     native, graphbolt, imported = json.loads(out.stdout)
-    assert list(native) == ["python", "ray", "torch", "numpy", "numba", "gnnray"] and imported == [], out.stderr[-2000:]
+    assert imported == [], out.stderr[-2000:]
+    assert list(native) == ["python", "ray", "torch", "numpy", "pyarrow", "pandas", "psutil", "numba", "gnnray"]
     assert native["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}" and native["ray"] == stack.RAY
     assert "+" not in native["torch"] and native["numba"]  # torch's build label (+cpu, +cu130) is not compared
     assert list(graphbolt)[-2:] == ["dgl", "gnnray"] and native["gnnray"] == stack.sources()
@@ -164,8 +166,9 @@ def test_a_mismatch_stops_the_job_in_one_line_before_training(ray_cluster, clust
         assert len(ray._private.state.actors()) == actors, "an actor started before the versions were checked"
     err = own_stderr(capsys.readouterr().err).strip()
     assert err.count("\n") == 0 and "Traceback" not in err, err
-    assert err.startswith("gnnray: error: every node needs the driver's python, ray, torch, numpy, numba, gnnray, and node "
-                          f"{node.node_ip_address} ({node.node_id[:8]}) has numpy 9.9.9 (driver: "), err
+    assert err.startswith("gnnray: error: every node needs the driver's python, ray, torch, numpy, pyarrow, pandas, "
+                          f"psutil, numba, gnnray, and node {node.node_ip_address} ({node.node_id[:8]}) has numpy "
+                          "9.9.9 (driver: "), err
     assert not (tmp_path / "pinned" / METRICS_LOG).exists()
 
 
