@@ -2,6 +2,9 @@
 
 Run with ``.venv/bin/python -m bench.placement [--quick] [--json out.json]``.
 
+``--host-memory [--table-mib 1024] [--workers 2]`` measures instead what placing
+features costs a train worker's host memory (:func:`host_memory`).
+
 A simulated cluster (``ray.cluster_utils.Cluster``, loopback between the
 stores): a head of 4 CPUs, where the driver runs, and 3 nodes of 2 CPUs and
 a 300 MiB store each. The job: a synthetic structure of 100,000 nodes
@@ -121,11 +124,74 @@ def run_one(data, cache: float, beside: bool, workdir: Path, hidden: int) -> dic
     return result
 
 
+# One worker placing the node's table under uva with a cache budget of half of it, on torch's meta device (it
+# holds no host memory, as a GPU's does not): the growth of its peak RSS, in bytes.
+_PLACE = """
+import resource, sys
+import numpy as np, torch
+from gnnray.pipeline import placement
+from gnnray.pipeline.feature_reader import LocalRows
+from gnnray.store.shards import cache_ids
+
+table = np.load(sys.argv[1], mmap_mode="r")
+table.sum(axis=0)  # the store's pages, mapped and read before the baseline
+indptr = np.arange(table.shape[0] + 1, dtype=np.int64) * 3
+n, budget = table.shape[0], table.nbytes // 2
+placement.place("uva", LocalRows(table[:1000]), "meta", indptr[:1001], free_bytes=table[:1000].nbytes)  # torch's set-up
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+if sys.argv[2] == "now":
+    placement.place("uva", LocalRows(table), "meta", indptr, free_bytes=2 * budget)
+else:  # as placement did before its pieces: the cache gathered whole on the host, then moved
+    hot = cache_ids(indptr, budget // (table.shape[1] * 4) / n)
+    slot = np.full(n, -1, dtype=np.int32)
+    slot[hot] = np.arange(hot.size, dtype=np.int32)
+    torch.from_numpy(np.ascontiguousarray(table[hot])).to("meta"), torch.from_numpy(slot).to("meta")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def host_memory(table_mib: int, workers: int) -> dict:
+    """Peak host-memory growth of ``workers`` processes placing one float32 table (128 features a row, in
+    /dev/shm as the store's pages are shared memory) at once, before and now."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from gnnray.pipeline.placement import PIECE_BYTES
+
+    out = {}
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
+        path = os.path.join(tmp, "table.npy")
+        rows = table_mib * MIB // (128 * 4)
+        table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, 128))
+        for a in range(0, rows, 1 << 16):
+            table[a:a + (1 << 16)] = np.random.default_rng(a).standard_normal((min(1 << 16, rows - a), 128))
+        del table
+        for how in ("before", "now"):
+            procs = [subprocess.Popen([sys.executable, "-c", _PLACE, path, how], stdout=subprocess.PIPE, text=True)
+                     for _ in range(workers)]
+            out[how] = [int(p.communicate()[0]) for p in procs]
+            print(f"{how}: {table_mib} MiB table, cache budget {table_mib // 2} MiB, {workers} workers at once: "
+                  f"host memory +{', +'.join(f'{g / MIB:.0f}' for g in out[how])} MiB (piece "
+                  f"{PIECE_BYTES / MIB:.0f} MiB)", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="cache 0.1 only")
     p.add_argument("--json", help="write the results here too")
+    p.add_argument("--host-memory", action="store_true", help="host memory of placing features, before and now")
+    p.add_argument("--table-mib", type=int, default=1024, help="--host-memory: the table's size")
+    p.add_argument("--workers", type=int, default=2, help="--host-memory: workers placing at once")
     args = p.parse_args(argv)
+    if args.host_memory:
+        result = host_memory(args.table_mib, args.workers)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
 
     from bench.sharding import ShardSettings, graph_dir
 

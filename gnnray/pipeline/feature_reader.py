@@ -25,7 +25,7 @@ device widens them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -124,31 +124,48 @@ class ShardedRows(FeatureReader):
             cache = ray.get(handle.cache[0])  # pulled to this node once; later processes here read that copy
             self._slot, self._cached = write_protected(cache["slot"]), write_protected(cache["rows"])
 
-    def resident(self) -> list:
-        """``(ids, rows)`` of the rows held on this node: the cache first, then each local shard."""
-        out = []
-        if self._slot is not None:
-            ids = np.flatnonzero(self._slot >= 0)
-            out.append((ids, self._cached[self._slot[ids]]))
-        for k, rows in self._local.items():
-            out.append((np.arange(self._h.shards[k].lo, self._h.shards[k].hi, dtype=np.int64), rows))
-        return out
+    @property
+    def cache(self) -> Optional[tuple]:
+        """``(slot, rows)`` of the cache, zero-copy (``slot[id]``: its row in ``rows``, or -1), or ``None``."""
+        return None if self._slot is None else (self._slot, self._cached)
+
+    def local_shards(self) -> list:
+        """``(k, lo, rows)`` of each shard on this node, zero-copy: rows ``lo..lo + len(rows)`` of the table."""
+        return [(k, self._h.shards[k].lo, rows) for k, rows in self._local.items()]
 
     def gather(self, ids, out):
         self._gather(np.asarray(ids), out)
 
-    def remote(self, ids: np.ndarray, local: bool = False) -> tuple:
-        """``(pos, rows)``: the rows of ``ids`` fetched from other nodes (with ``local``, also this node's shards'
-        rows; never the cache's), ``rows`` compact and as stored: what a device holding the rest lacks."""
-        return self._gather(np.asarray(ids), None, local)
+    def remote(self, ids: np.ndarray, held: "Held") -> tuple:
+        """``(pos, rows)``: the rows of ``ids`` a device holding ``held`` lacks, read here or fetched from other
+        nodes, compact and as stored (positions in ``ids``, increasing)."""
+        ids = np.asarray(ids)
+        cached, local = self._held(ids, held)
+        pos = np.flatnonzero(~(cached | local))
+        rows = np.empty((pos.size, self.dim), dtype=self.dtype)
+        self._gather(ids[pos], rows)
+        s = self._stats  # the held rows count as read, as where the host reads them
+        s.rows, s.cached_rows = s.rows + int(cached.sum()), s.cached_rows + int(cached.sum())
+        s.rows, s.local_rows = s.rows + int(local.sum()), s.local_rows + int(local.sum())
+        return pos.astype(np.int64), rows
 
-    def _gather(self, ids: np.ndarray, out: Optional[np.ndarray], local_too: bool = True):
-        """Into ``out`` (all rows), or with ``out=None`` only the remote (and, ``local_too``, local) rows,
-        returned compact with their positions."""
+    def _held(self, ids: np.ndarray, held: "Held") -> tuple:
+        """Which of ``ids`` the device holds: by the cache's first rows, else by a local shard's first rows."""
+        cached = np.zeros(ids.size, dtype=bool)
+        if self._slot is not None and held.cached:
+            s = self._slot[ids]
+            cached = (s >= 0) & (s < held.cached)
+        local = np.zeros(ids.size, dtype=bool)
+        for k, count in held.local.items():
+            lo = self._h.shards[k].lo
+            local |= (ids >= lo) & (ids < lo + count)
+        return cached, local & ~cached
+
+    def _gather(self, ids: np.ndarray, out: np.ndarray) -> None:
         s, n = self._stats, len(ids)
         if self.dim == 0:  # no features (--embedding-dim alone): nothing to fetch
             s.batches, s.rows = s.batches + 1, s.rows + n
-            return (np.zeros(0, np.int64), np.zeros((0, 0), self.dtype)) if out is None else None
+            return
         hit = self._slot[ids] >= 0 if self._slot is not None else None
         order, at = route(self._starts, ids, hit)
         calls, local = [], []
@@ -159,24 +176,14 @@ class ShardedRows(FeatureReader):
             elif pos.size:
                 calls.append((shard, pos, shard.server.gather.remote(ids[pos] - shard.lo)))
         cached = order[at[-1]:]
-        where = None
-        if out is None:  # compact: the remote rows (and local ones if asked), in the order of `taken`
-            taken = [p for _, p, _ in calls] + ([p for _, p in local] if local_too else [])
-            pos_all = np.concatenate(taken) if taken else np.zeros(0, np.int64)
-            out = np.empty((pos_all.size, self.dim), dtype=self.dtype)
-            where = np.full(n, -1, dtype=np.int64)
-            where[pos_all] = np.arange(pos_all.size)
-        if cached.size and where is None:
+        if cached.size:
             take_rows(self._cached, self._slot[ids[cached]], out, rows=cached)
         for k, pos in local:
-            if where is None or local_too:
-                take_rows(self._local[k], ids[pos] - self._h.shards[k].lo, out,
-                          rows=pos if where is None else where[pos])
+            take_rows(self._local[k], ids[pos] - self._h.shards[k].lo, out, rows=pos)
         start = time.perf_counter()
 
         def put(i, rows):  # each shard's rows as they arrive, while the others are still on the way
-            pos = calls[i][1]
-            out[pos if where is None else where[pos]] = rows
+            out[calls[i][1]] = rows
             s.remote_bytes += rows.nbytes
 
         # One deadline for all the calls, waited for together; a failure names its shard and node.
@@ -186,7 +193,15 @@ class ShardedRows(FeatureReader):
         s.cached_rows += int(cached.size)
         s.local_rows += sum(int(p.size) for _, p in local)
         s.remote_rows += sum(int(p.size) for _, p, _ in calls)
-        return None if where is None else (pos_all.astype(np.int64), out)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a device holds of a sharded table: the cache's first ``cached`` rows, and of each local shard ``k``
+    its first ``local[k]`` rows (:meth:`ShardedRows.remote` leaves them out)."""
+
+    cached: int = 0
+    local: dict = field(default_factory=dict)
 
 
 def reader_for(graph: Graph, features: Optional[ShardedFeatures]) -> FeatureReader:

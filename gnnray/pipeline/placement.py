@@ -9,8 +9,14 @@
 - ``uva``: the table stays in host memory, pinned in place, and the GPU reads
   the rows it needs from there (a Triton kernel over host-mapped memory); the
   most-sampled rows (highest in-degree first) are also kept in a device cache
-  sized from the GPU's free memory. On a CPU "device" the same logic runs with
-  plain indexing (what the tests check).
+  sized from the GPU's free memory. With shards: the node's cache, then its
+  shards' first rows, as far as that budget goes; the host sends the rest. On
+  a CPU "device" the same logic runs with plain indexing (what the tests check).
+
+Rows go to the device in pieces of at most :data:`PIECE_BYTES`, gathered from
+the store's pages into one reused host buffer (a contiguous run is copied from
+the pages directly), so placing costs each worker that much host memory
+whatever the table or the budget: a node's workers place at once.
 - ``auto``: ``device`` where the table fits a share of the GPU's free memory,
   else ``uva``; ``host`` on a CPU worker (the CPU is the device: nothing to copy).
 
@@ -19,19 +25,23 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
-from gnnray.store.shards import cache_ids
 from gnnray.store.handle import readonly_tensor
-from gnnray.pipeline.feature_reader import FeatureReader, LocalRows, ShardedRows
+from gnnray.pipeline.feature_reader import FeatureReader, Held, LocalRows, ShardedRows
 
 # Of the GPU's free memory once the model is there: what a resident table or the UVA cache may take. The rest is
 # for activations, the optimizer's state and the batches in flight.
 DEVICE_SHARE = 0.5
+# The most bytes of rows (or of slot entries) a worker holds on the host at once while placing them on its device.
+PIECE_BYTES = 64 * 2**20
+
+logger = logging.getLogger(__name__)
 
 
 def choose(asked: str, device_type: str, table_bytes: int, free_bytes: int, share: float = DEVICE_SHARE) -> str:
@@ -83,13 +93,15 @@ class DeviceFeatures:
     ``resident`` rows live on the device; ``slot`` (``None``: every row, in id
     order) maps a node id to its resident row or -1. Rows not resident come from
     the host table (``uva``: read in place by the device) or, with shards, from
-    the reader (:meth:`host_rows`, fetched on the prefetch thread).
+    the reader (:meth:`host_rows`, fetched on the prefetch thread): all those
+    ``held`` does not name, so no row crosses twice.
     """
 
     def __init__(self, mode: str, reader: FeatureReader, device: torch.device, resident: torch.Tensor,
-                 slot: Optional[torch.Tensor], host: Optional[torch.Tensor] = None, note: str = ""):
+                 slot: Optional[torch.Tensor], host: Optional[torch.Tensor] = None, note: str = "",
+                 held: Optional[Held] = None):
         self.mode, self.reader, self.device, self.dim = mode, reader, torch.device(device), reader.dim
-        self._resident, self._slot, self._host = resident, slot, host
+        self._resident, self._slot, self._host, self.held = resident, slot, host, held
         self._uva = _UvaGather(host) if host is not None and self.device.type == "cuda" else None
         self.note = note
 
@@ -106,7 +118,7 @@ class DeviceFeatures:
         """On the prefetch thread: the batch's rows that only the host can supply (with shards), else ``None``."""
         if not self.host_supplied:
             return None
-        pos, rows = self.reader.remote(ids, local=self.mode == "uva")
+        pos, rows = self.reader.remote(ids, self.held)
         return HostRows(pos, rows)
 
     def gather(self, ids: torch.Tensor, host: Optional[tuple] = None) -> torch.Tensor:
@@ -148,68 +160,155 @@ def place(asked: str, reader: FeatureReader, device, indptr: np.ndarray,
     budget = int(DEVICE_SHARE * free_bytes)
     if isinstance(reader, LocalRows):
         return _place_table(mode, reader, device, indptr, budget)
-    return _place_shards(mode, reader, device)
+    return _place_shards(mode, reader, device, budget)
 
 
 def node_table_bytes(reader: FeatureReader) -> int:
     """Bytes of the rows this node holds: the whole table, or its shards plus the cache."""
     if isinstance(reader, LocalRows):
         return int(reader.table.nbytes)
-    return sum(int(a.nbytes) for _, a in reader.resident())
+    return sum(int(rows.nbytes) for _, _, rows in reader.local_shards()) + (
+        int(reader.cache[1].nbytes) if reader.cache is not None else 0)
 
 
 def _place_table(mode: str, reader: LocalRows, device: torch.device, indptr: np.ndarray,
-                 budget: int) -> DeviceFeatures:
+                 budget: int) -> Optional[DeviceFeatures]:
     table = reader.table
+    n, row_bytes = table.shape[0], max(1, table.shape[1] * table.itemsize)
     if mode == "device":
-        return DeviceFeatures(mode, reader, device, readonly_tensor(table).to(device), None)
-    host, note = _pinned(table, device)
-    row_bytes = max(1, table.shape[1] * table.itemsize)
-    hot = cache_ids(indptr, min(1.0, budget // row_bytes / max(1, table.shape[0])))
-    slot = np.full(table.shape[0], -1, dtype=np.int32)
-    slot[hot] = np.arange(hot.size, dtype=np.int32)
-    cached = torch.from_numpy(np.ascontiguousarray(table[hot])).to(device)
-    return DeviceFeatures(mode, reader, device, cached, torch.from_numpy(slot).to(device), host,
-                          f"{hot.size} of {table.shape[0]} rows cached on the device{note}")
+        fill = _Resident(device, None, n, table.shape[1], table.dtype)
+        fill.run(readonly_tensor(table))
+        return DeviceFeatures(mode, reader, device, fill.rows, None)
+    host = _pinned(table, device)
+    if host is None:
+        return None
+    count = min(n, budget // row_bytes)
+    fill = _Resident(device, n, count, table.shape[1], table.dtype)
+    for ids in hot_ids(indptr, count, max(1, PIECE_BYTES // 512)):
+        fill.gather(host, ids)
+    return DeviceFeatures(mode, reader, device, fill.rows, fill.slot, host,
+                          f"{count} of {n} rows cached on the device")
 
 
-def _place_shards(mode: str, reader: ShardedRows, device: torch.device) -> DeviceFeatures:
-    """The cache (and under ``device`` this node's shards) on the device; the rest comes from the reader."""
-    parts = reader.resident() if mode == "device" else reader.resident()[:1]
-    parts = [(ids, rows) for ids, rows in parts if ids.size]
-    slot = np.full(reader.num_rows, -1, dtype=np.int32)
-    at = 0
-    for ids, _ in parts:  # the cache (first) wins where a shard repeats its rows
-        keep = slot[ids] < 0
-        slot[ids[keep]] = np.arange(at, at + ids.size, dtype=np.int32)[keep]
-        at += ids.size
-    rows = (np.concatenate([r for _, r in parts]) if parts
-            else np.zeros((0, reader.dim), dtype=reader.dtype))
-    return DeviceFeatures(mode, reader, device, torch.from_numpy(np.ascontiguousarray(rows)).to(device),
-                          torch.from_numpy(slot).to(device),
-                          note=f"{rows.shape[0]} rows on the device, the rest fetched by the host")
+def hot_ids(indptr: np.ndarray, count: int, chunk: int) -> Iterator[np.ndarray]:
+    """The ``count`` ids of highest in-degree (ties: lower id first), as :func:`~gnnray.store.shards.cache_ids`
+    picks them, in id order and at most ``chunk`` at a time: no array as long as the graph (a histogram of the
+    in-degrees gives the lowest degree taken, then each chunk of ids is read against it)."""
+    n = indptr.shape[0] - 1
+    if count <= 0:
+        return
+    hist = np.zeros(1, dtype=np.int64)
+    for a in range(0, n, chunk):
+        h = np.bincount(np.diff(indptr[a:min(n, a + chunk) + 1]))
+        hist = np.pad(hist, (0, max(0, h.size - hist.size)))
+        hist[:h.size] += h
+    at_least = np.cumsum(hist[::-1])[::-1]  # ids of in-degree >= d
+    low = int(np.flatnonzero(at_least >= count)[-1])
+    ties = count - (int(at_least[low + 1]) if low + 1 < at_least.size else 0)  # of in-degree low, first ids first
+    for a in range(0, n, chunk):
+        degree = np.diff(indptr[a:min(n, a + chunk) + 1])
+        take = degree > low
+        if ties:
+            tied = np.flatnonzero(degree == low)[:ties]
+            take[tied], ties = True, ties - tied.size
+        ids = np.flatnonzero(take)
+        if ids.size:
+            yield ids + a
 
 
-def _pinned(table: np.ndarray, device: torch.device) -> tuple:
-    """``table`` as a host tensor the device can read: the store's pages registered in place, or a pinned copy
-    where that fails (said in the note). On a CPU device: the table itself."""
+def _place_shards(mode: str, reader: ShardedRows, device: torch.device, budget: int) -> DeviceFeatures:
+    """The cache, then this node's shards, on the device (``uva``: as far as ``budget`` goes, first rows first);
+    the rest comes from the reader."""
+    row_bytes = max(1, reader.dim * reader.dtype.itemsize)
+    left = None if mode == "device" else budget // row_bytes  # rows the device may still take
+    cache, shards = reader.cache, reader.local_shards()
+    cached = 0 if cache is None else cache[1].shape[0] if left is None else min(cache[1].shape[0], left)
+    local = {}
+    for k, _, rows in shards:
+        local[k] = rows.shape[0] if left is None else min(rows.shape[0], left - cached - sum(local.values()))
+    fill = _Resident(device, reader.num_rows, cached + sum(local.values()), reader.dim, reader.dtype)
+    if cached:
+        fill.cache_prefix(*cache, cached)
+    for k, lo, rows in shards:  # where a shard repeats a cached row, the cache's copy is the one read
+        if local[k]:
+            fill.run(readonly_tensor(rows[:local[k]]), ids_lo=lo)
+    return DeviceFeatures(mode, reader, device, fill.rows, fill.slot, held=Held(cached, local),
+                          note=f"{fill.at} rows on the device, the rest fetched by the host")
+
+
+class _Resident:
+    """A device's ``count`` resident rows and the slot of each of ``num_rows`` node ids (-1: not resident;
+    ``None``: no slot), filled in pieces of at most :data:`PIECE_BYTES` through one reused host buffer."""
+
+    def __init__(self, device: torch.device, num_rows: Optional[int], count: int, dim: int, dtype: np.dtype):
+        self.device, self.at, dtype = device, 0, np.dtype(dtype)
+        self.rows = torch.empty((count, dim), dtype=torch.from_numpy(np.zeros(0, dtype)).dtype, device=device)
+        self.slot = None if num_rows is None else torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+        self._piece = max(1, PIECE_BYTES // max(1, dim * dtype.itemsize))
+        self._ids = max(1, PIECE_BYTES // 8)  # int64 ids (or int32 slot entries) per piece
+        self._buffer = None
+
+    def _staging(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        if self._buffer is None:  # pinned on a GPU: the piece crosses by DMA
+            self._buffer = torch.empty((self._piece, like.shape[1]), dtype=like.dtype,
+                                       pin_memory=self.device.type == "cuda")
+        return self._buffer[:rows]
+
+    def gather(self, src: torch.Tensor, ids: np.ndarray) -> None:
+        """Rows ``ids`` of the host tensor ``src`` next, a piece at a time."""
+        for a in range(0, ids.size, self._piece):
+            idx = torch.from_numpy(np.asarray(ids[a:a + self._piece], dtype=np.int64))
+            k = idx.shape[0]
+            buf = self._staging(k, src)
+            torch.index_select(src, 0, idx, out=buf)
+            self.rows[self.at:self.at + k].copy_(buf)
+            self.slot[idx.to(self.device)] = torch.arange(self.at, self.at + k, dtype=torch.int32,
+                                                          device=self.device)
+            self.at += k
+
+    def run(self, src: torch.Tensor, ids_lo: Optional[int] = None) -> None:
+        """The contiguous rows ``src`` next, copied from their pages a piece at a time; ``ids_lo``: the id of the
+        first, whose slots follow (an id already resident keeps its row)."""
+        for a in range(0, src.shape[0], self._piece):
+            b = min(src.shape[0], a + self._piece)
+            self.rows[self.at:self.at + b - a].copy_(src[a:b])
+            if ids_lo is not None:
+                seg = self.slot[ids_lo + a:ids_lo + b]
+                new = torch.arange(self.at, self.at + b - a, dtype=torch.int32, device=self.device)
+                self.slot[ids_lo + a:ids_lo + b] = torch.where(seg < 0, new, seg)
+            self.at += b - a
+
+    def cache_prefix(self, slot: np.ndarray, rows: np.ndarray, count: int) -> None:
+        """The cache's first ``count`` rows next: their slots from the cache's, a piece of ids at a time."""
+        at = self.at
+        self.run(readonly_tensor(rows[:count]))
+        for a in range(0, slot.shape[0], self._ids):
+            s = readonly_tensor(slot[a:a + self._ids]).to(self.device)
+            self.slot[a:a + s.shape[0]] = torch.where((s >= 0) & (s < count), s + at, self.slot[a:a + s.shape[0]])
+
+
+def _pinned(table: np.ndarray, device: torch.device) -> Optional[torch.Tensor]:
+    """``table`` as a host tensor the device can read: the store's pages registered in place; ``None`` (said in
+    one line) where that fails: the host then gathers each batch's rows, in bounded buffers. On a CPU device:
+    the table itself."""
     t = readonly_tensor(table)
     if device.type != "cuda":
-        return t, ""
+        return t
     ptr, size = t.data_ptr(), t.numel() * t.element_size()
     for held in _registered:  # pages registered once cannot be again (cudaErrorHostMemoryAlreadyRegistered)
         if held.data_ptr() <= ptr and ptr + size <= held.data_ptr() + held.numel() * held.element_size():
-            return t, ""
+            return t
     # Mapped (readable by kernels through unified addressing) and read-only: the store's pages are read-only.
     flags = _HOST_REGISTER_MAPPED | _HOST_REGISTER_READ_ONLY
     err = int(torch.cuda.cudart().cudaHostRegister(ptr, size, flags))
     if err == 0:
         _registered.append(t)  # never unregistered while the worker runs: kernels may still read it
-        return t, ""
+        return t
     _clear_cuda_error()
-    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pinned.copy_(t)
-    return pinned, f"; the store's pages could not be registered ({err}): a pinned copy"
+    # A pinned copy of the table in every worker of the node could exhaust its memory: the host path instead.
+    logger.warning(f"--feature-placement uva: the store's pages ({size / 2**20:.0f} MiB) could not be registered "
+                   f"for the GPU (CUDA error {err}); this worker gathers features on the host")
+    return None
 
 
 def _clear_cuda_error() -> None:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from gnnray.pipeline.feature_reader import LocalRows
+from gnnray.pipeline import placement
+from gnnray.pipeline.feature_reader import Held, LocalRows
 from gnnray.pipeline.placement import DEVICE_SHARE, choose, place
 from gnnray.pipeline.prefetch import Prefetcher
 from test_prefetch import check, make_packed
@@ -81,6 +82,21 @@ def test_the_uva_cache_holds_the_highest_in_degree_rows():
     assert degree[slot >= 0].min() >= degree[slot < 0].max()
 
 
+def test_the_hot_ids_read_a_chunk_at_a_time_are_the_caches():
+    """The same ids as the store's cache picks (ties at the lowest degree taken: lower ids first), any chunk."""
+    from gnnray.store.shards import cache_ids
+
+    for n, high in ((1000, 9), (777, 2), (50, 1)):  # few distinct degrees: many ties
+        indptr = np.concatenate([[0], np.cumsum(np.random.default_rng(n).integers(0, high, n))])
+        for count in (0, 1, n // 3, n // 2 + 1, n - 1, n):
+            want = cache_ids(indptr, count / n)
+            for chunk in (1, 7, n, 10 * n):
+                got = list(placement.hot_ids(indptr, count, chunk))
+                assert all(0 < g.size <= chunk for g in got), (n, count, chunk)
+                got = np.concatenate(got) if got else np.zeros(0, np.int64)
+                assert np.array_equal(got, want), (n, count, chunk)
+
+
 @pytest.mark.parametrize("mode", ["device", "uva"])
 def test_prefetched_batches_carry_the_same_rows_on_every_placement(mode):
     table = _table()
@@ -99,7 +115,7 @@ def test_prefetched_batches_carry_the_same_rows_on_every_placement(mode):
 FAR = "f" * 56
 
 
-def _sharded(table: np.ndarray, cache: np.ndarray):
+def _sharded(table: np.ndarray, cache):
     import ray
 
     from gnnray.store.shards import Shard, ShardedFeatures, ShardServer, shard_bounds
@@ -114,9 +130,11 @@ def _sharded(table: np.ndarray, cache: np.ndarray):
         server = served.remote([ref])
         ray.get(server.__ray_ready__.remote())
         shards.append(Shard(lo, hi, here if k == 1 else FAR, f"10.9.9.{k}", [ref], server, [ray.put(hi - lo)]))
-    slot = np.full(table.shape[0], -1, dtype=np.int32)
-    slot[cache] = np.arange(cache.size, dtype=np.int32)
-    cached = [ray.put({"slot": slot, "rows": np.ascontiguousarray(table[cache])})]
+    cached = None
+    if cache is not None:
+        slot = np.full(table.shape[0], -1, dtype=np.int32)
+        slot[cache] = np.arange(cache.size, dtype=np.int32)
+        cached = [ray.put({"slot": slot, "rows": np.ascontiguousarray(table[cache])})]
     return ShardedFeatures(tuple(shards), table.shape[0], table.shape[1], str(table.dtype), cached, 30.0)
 
 
@@ -128,11 +146,13 @@ def test_sharded_device_gather_returns_the_host_gathers_rows(ray_cluster, mode):
     table = np.random.default_rng(3).standard_normal((3000, 6)).astype(np.float32)
     handle = _sharded(table, np.arange(0, 3000, 7))
     reader = ShardedRows(handle)
-    placed = place(mode, reader, "cpu", np.zeros(1))
-    expect_resident = 429 + (1000 if mode == "device" else 0)  # cache rows (every 7th), then the local shard
+    # uva: a budget of the cache alone (every 7th row); device: the cache, then the local shard
+    free = int(429 * 6 * 4 / DEVICE_SHARE) if mode == "uva" else None
+    placed = place(mode, reader, "cpu", np.zeros(1), free_bytes=free)
+    expect_resident = 429 + (1000 if mode == "device" else 0)
     assert placed.resident_rows == expect_resident
     for case, ids in _id_cases(3000).items():
-        pos, rows = reader.remote(ids, local=mode == "uva")
+        pos, rows = reader.remote(ids, placed.held)
         host = placed.host_rows(ids)
         assert np.array_equal(host.pos, pos) and np.array_equal(host.rows, rows), case
         got = placed.gather(torch.from_numpy(ids), (torch.from_numpy(host.pos), torch.from_numpy(host.rows)))
@@ -146,6 +166,118 @@ def test_sharded_device_gather_returns_the_host_gathers_rows(ray_cluster, mode):
     if mode == "device":
         lacking[1000:2000] = False
     assert np.array_equal(np.sort(pos), np.flatnonzero(lacking))
+
+
+# (cache ids or None, rows the budget holds) -> (cache rows, local shard rows) on the device
+_UVA_BUDGETS = {"no cache, part of the local shard": (None, 600, 0, 600),
+                "no cache, all of it": (None, 5000, 0, 1000),
+                "part of the cache": (np.arange(0, 3000, 7), 300, 300, 0),
+                "the cache, then part of the local shard": (np.arange(0, 3000, 7), 629, 429, 200)}
+
+
+@pytest.mark.parametrize("case", list(_UVA_BUDGETS))
+def test_sharded_uva_places_what_its_budget_holds_and_the_host_sends_only_the_rest(ray_cluster, case):
+    """The device takes the cache, then this node's shard, as far as the budget goes; every other row, and no row
+    it holds, comes from the host."""
+    from gnnray.pipeline.feature_reader import ShardedRows
+
+    cache, budget_rows, cached, local = _UVA_BUDGETS[case]
+    table = np.random.default_rng(4).standard_normal((3000, 6)).astype(np.float32)
+    reader = ShardedRows(_sharded(table, cache))
+    placed = place("uva", reader, "cpu", np.zeros(1), free_bytes=int(budget_rows * 6 * 4 / DEVICE_SHARE) + 1)
+    assert placed.resident_rows == cached + local <= budget_rows
+    assert placed.held == Held(cached, {1: local})
+    on_device = np.zeros(3000, bool)
+    if cache is not None:
+        on_device[cache[:cached]] = True
+    on_device[1000:1000 + local] = True
+    ids = np.random.default_rng(5).permutation(3000)
+    host = placed.host_rows(ids)
+    assert np.array_equal(np.sort(ids[host.pos]), np.flatnonzero(~on_device))  # the rest, once each
+    got = placed.gather(torch.from_numpy(ids), (torch.from_numpy(host.pos), torch.from_numpy(host.rows)))
+    assert np.array_equal(got.numpy(), table[ids])
+    for case_ids in _id_cases(3000).values():
+        host = placed.host_rows(case_ids)
+        got = placed.gather(torch.from_numpy(case_ids), (torch.from_numpy(host.pos), torch.from_numpy(host.rows)))
+        assert np.array_equal(got.numpy(), table[case_ids])
+
+
+@pytest.mark.parametrize("mode,free", [("device", None), ("uva", 60_000)])
+def test_rows_go_to_the_device_in_pieces(monkeypatch, mode, free):
+    """With pieces of a few rows, the placed table is the same, and no host buffer is larger than a piece."""
+    table = _table()
+    whole = place(mode, LocalRows(table), "cpu", _indptr(), free_bytes=free)
+    monkeypatch.setattr(placement, "PIECE_BYTES", 5 * 12 * 4)  # 5 rows
+    sizes = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kwargs):  # every host buffer placing makes, by its size
+        t = real_empty(*shape, **kwargs)
+        if t.device.type == "cpu":
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    pieces = place(mode, LocalRows(table), "cpu", _indptr(), free_bytes=free)
+    monkeypatch.undo()
+    assert torch.equal(pieces._resident, whole._resident) and pieces.resident_rows > 5
+    assert (pieces._slot is None) == (whole._slot is None) and (whole._slot is None or torch.equal(pieces._slot,
+                                                                                                    whole._slot))
+    assert [b for b in sizes if b > 5 * 12 * 4 and b != pieces.resident_rows * 12 * 4] == []
+
+
+def test_pages_the_gpu_cannot_register_leave_the_host_path_in_one_line(monkeypatch, caplog):
+    """No pinned copy of the table in each worker: the worker says why in one line and the host gathers."""
+    import logging
+
+    class Runtime:  # CUDA's runtime as torch calls it, refusing the registration (cudaErrorNotSupported)
+        def cudaHostRegister(self, ptr, size, flags):
+            return 801
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(placement, "_clear_cuda_error", lambda: None)
+    with caplog.at_level(logging.WARNING, logger=placement.__name__):
+        assert place("uva", LocalRows(_table()), "cuda", _indptr(), free_bytes=10**6) is None
+    lines = [r.getMessage() for r in caplog.records if r.name == placement.__name__]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("--feature-placement uva: the store's pages (0 MiB) could not be registered for the "
+                               "GPU (CUDA error 801); this worker gathers features on the host"), lines
+
+
+_HOST_GROWTH = """
+import resource, sys
+import numpy as np
+from gnnray.pipeline import placement
+from gnnray.pipeline.feature_reader import LocalRows
+
+rows, dim, piece = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+placement.PIECE_BYTES = piece
+table = np.empty((rows, dim), dtype=np.float32)
+table.fill(1.0)  # resident before the baseline, as the store's pages are
+table.flags.writeable = False
+indptr = np.arange(rows + 1, dtype=np.int64) * 3
+# torch's first operations load code and set up its allocators (tens of MB): done first, on a small table
+placement.place("uva", LocalRows(table[:1000]), "meta", indptr[:1001], free_bytes=table[:1000].nbytes)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+placed = placement.place("uva", LocalRows(table), "meta", indptr, free_bytes=table.nbytes)  # cache: half
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(placed.resident_rows, (after - before) * 1024)
+"""
+
+
+def test_placing_grows_host_memory_by_a_piece_not_by_the_cache():
+    """torch's meta device stands in for a GPU (it holds no host memory): a 128 MiB table with a cache budget of
+    half of it grows the process's peak host memory by a piece, not by a host copy of the 64 MiB cache."""
+    import subprocess
+    import sys
+
+    rows, dim, piece = 2**18, 128, 4 * 2**20
+    out = subprocess.run([sys.executable, "-c", _HOST_GROWTH, str(rows), str(dim), str(piece)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cached, growth = map(int, out.stdout.split())
+    assert cached == rows // 2
+    assert growth <= 1.1 * piece, growth  # a piece, and a chunk of ids
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
