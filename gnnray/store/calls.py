@@ -8,6 +8,7 @@ says which one (and, with ``--max-failures``, the driver rebuilds it: :func:`gnn
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Optional
 
@@ -15,6 +16,9 @@ from gnnray.errors import FeatureShardError, GnnrayError, last_line
 
 # What wait_calls says of a failed gather call (and how it knows to name --feature-timeout).
 GATHER = "did not deliver rows"
+# Ray's cancel of a call can race the call's start on a threaded actor and be lost, leaving the call to run on:
+# the calls still pending are cancelled again every RECANCEL_EVERY_S, until they end or RECANCEL_FOR_S pass.
+RECANCEL_EVERY_S, RECANCEL_FOR_S = 1.0, 120.0
 
 
 def wait_calls(calls: list, timeout_s: float, failing: str, each: Optional[Callable] = None,
@@ -44,11 +48,8 @@ def wait_calls(calls: list, timeout_s: float, failing: str, each: Optional[Calla
                 if each is not None:
                     each(i, results[i])
     except BaseException:
-        for ref in pending if cancel else ():  # nobody waits for them any more: spare the servers the work
-            try:
-                ray.cancel(ref)
-            except Exception:
-                pass
+        if cancel:  # nobody waits for them any more: spare the servers the work
+            cancel_until_done(pending)
         raise
     return results
 
@@ -74,12 +75,37 @@ def wait_streams(calls: list, timeout_s: float, failing: str, each: Callable) ->
                 each(i, _result(calls[i][0], ref, failing))
                 pending.append(g)
     except BaseException:
-        for g in pending:  # nobody waits for them any more: spare the servers the work
-            try:
-                ray.cancel(g)
-            except Exception:
-                pass
+        cancel_until_done(pending)  # nobody waits for them any more: spare the servers the work
         raise
+
+
+def cancel_until_done(pending: list) -> None:
+    """Cancel the calls ``pending`` (object refs or generators) now, and again on a thread while they run."""
+    _cancel(pending)
+    if pending:
+        threading.Thread(target=_cancel_again, args=(list(pending),), name="cancel shard calls", daemon=True).start()
+
+
+def _cancel_again(pending: list) -> None:
+    import ray
+
+    end = time.monotonic() + RECANCEL_FOR_S
+    while pending and time.monotonic() < end:
+        try:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=RECANCEL_EVERY_S)
+        except Exception:  # Ray shut down meanwhile: nothing left to cancel
+            return
+        _cancel(pending)
+
+
+def _cancel(refs: list) -> None:
+    import ray
+
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception:  # already done, or its owner gone: nothing to cancel
+            pass
 
 
 def _late(shards: list, timeout_s: float, failing: str):

@@ -290,6 +290,29 @@ def test_a_dead_server_names_its_shard_and_node_and_the_other_calls_are_cancelle
     assert _cancelled(hangers)  # without ray.cancel it would hang until the test's end
 
 
+def test_a_lost_cancel_is_sent_again_until_the_call_ends(table, monkeypatch):
+    """Ray's cancel of a threaded actor's call can race the call's start and be lost: here the first cancel of each
+    call is dropped, and the call still ends, cancelled again a second later."""
+    import ray
+
+    from gnnray.errors import FeatureShardError
+    from gnnray.pipeline.feature_reader import ShardedRows
+
+    handle, hangers = _far_handle(table, ["dead", "hanging", "ok"])
+    real_cancel, seen = ray.cancel, set()
+
+    def cancel(ref, **kwargs):
+        if ref not in seen:  # lost, as in the race
+            seen.add(ref)
+            return None
+        return real_cancel(ref, **kwargs)
+
+    monkeypatch.setattr(ray, "cancel", cancel)
+    with pytest.raises(FeatureShardError, match="its server died"):
+        ShardedRows(handle).gather(_every_row(handle), np.empty(table.shape, dtype=np.float32))
+    assert _cancelled(hangers) and seen
+
+
 def test_one_deadline_for_all_shards_names_every_late_one(table):
     """Two shards hang: one overall timeout, and the error names both (a shard-by-shard wait names one)."""
     from gnnray.errors import FeatureShardError
