@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--cores", type=int, default=None,
                    help="cores both sides of the whole runs use: the DGL loop's threads, the train workers' CPUs, "
                    "and their --trainer-threads when fewer than the node's cores (when not given: all)")
+    p.add_argument("--fanouts", type=lambda t: tuple(int(f) for f in t.split(",")), default=Settings.fanouts,
+                   help="neighbors per layer, input layer first, in every figure (e.g. 10,10,10)")
     p.add_argument("--max-ahead", type=int, default=SamplerConfig().max_ahead,
                    help="the job's --max-ahead in every run: mini-batches the sampler pool may run ahead of each "
                    "train worker")
@@ -77,7 +79,7 @@ def settings_for(args) -> Settings:
     except ConfigError as e:
         raise SystemExit(f"bench/benchmark.py: error: {e}") from None
     s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, max_ahead=args.max_ahead,
-                 wall_repeats=args.wall_repeats, wall_only=args.wall_only)
+                 wall_repeats=args.wall_repeats, wall_only=args.wall_only, fanouts=args.fanouts)
     if args.quick:
         s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
                                 memory_batches=2, fast_epochs=3, wall_epochs=(1, 3))

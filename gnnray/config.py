@@ -23,7 +23,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence
 
-from gnnray.errors import ConfigError
+from gnnray.errors import ConfigError, GnnrayError
 from gnnray.fanouts import Fanouts, int_list
 
 DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".gnnray", "data")
@@ -195,9 +195,12 @@ class TrainConfig(_Options):
     weight_decay: float = option(0.0, "Adam weight decay", **at_least(0))
     num_workers: tuple[int, ...] = option((2,), "Ray Train workers (DDP ranks); MIN,MAX makes the run elastic: it "
                                           "starts once MIN fit, grows to MAX as nodes join and shrinks when nodes "
-                                          "leave, the global batch staying --batch-size x MAX (docs/elastic.md)",
-                                          metavar="N|MIN,MAX", check=lambda w: len(w) in (1, 2) and 1 <= w[0] <= w[-1],
-                                          need="expected N, or MIN,MAX with 1 <= MIN <= MAX")
+                                          "leave, the global batch staying --batch-size x MAX (docs/elastic.md); "
+                                          "auto: one per GPU, or on CPU nodes the CPU plan's (one per 16 cores of "
+                                          "each node, docs/cpu-plan.md)",
+                                          metavar="N|MIN,MAX|auto",
+                                          check=lambda w: len(w) in (0, 1, 2) and (not w or 1 <= w[0] <= w[-1]),
+                                          need="expected N, MIN,MAX with 1 <= MIN <= MAX, or auto")
     resize_interval: float = option(60.0, "with --num-workers MIN,MAX: seconds between Ray Train's looks for nodes "
                                     "that joined (each resize restarts the workers from the last checkpoint; lost "
                                     "nodes are noticed at once)", metavar="SECONDS", **at_least(0))
@@ -230,12 +233,23 @@ class TrainConfig(_Options):
         super().__post_init__()
 
     @property
+    def auto_workers(self) -> bool:
+        """``--num-workers auto``, until the driver resolves it from the cluster (:func:`gnnray.driver.plans.workers`)."""
+        return not self.num_workers
+
+    @property
     def workers_min(self) -> int:
-        return self.num_workers[0]
+        return self._workers()[0]
 
     @property
     def workers_max(self) -> int:
-        return self.num_workers[-1]
+        return self._workers()[-1]
+
+    def _workers(self) -> tuple[int, ...]:
+        if not self.num_workers:
+            raise GnnrayError("--num-workers auto is resolved by the driver from the cluster; this code ran before it "
+                              "(a bug)")
+        return self.num_workers
 
     @property
     def elastic(self) -> bool:
@@ -302,8 +316,9 @@ def _parser_of(kind: Any, flag: str) -> Callable[[str], Any]:
         return lambda t: words[t.strip().lower()] if t.strip().lower() in words else fail(t, "auto, yes or no")
     if kind in (Fanouts, Optional[Fanouts]):
         return lambda t: None if kind != Fanouts and t.strip().lower() == "auto" else Fanouts.parse(t, flag)
-    if kind == tuple[int, ...]:
-        return lambda t: int_list(t) or fail(t, "comma-separated integers, e.g. 10,10,10")
+    if kind == tuple[int, ...]:  # "auto": the empty tuple, where the option's check allows it
+        return lambda t: () if t.strip().lower() == "auto" else (
+            int_list(t) or fail(t, "comma-separated integers, e.g. 10,10,10"))
     base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
     if base in (int, float):
         def number(t: str):

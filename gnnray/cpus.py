@@ -222,9 +222,13 @@ class CpuPlan:
         quota = f" (quota {self.node.quota:g} of {len(self.node.ids)})" if self.node.quota else ""
         if self.node.runs > 1:
             quota += f" (this run's share of a host shared by {self.node.runs} runs)"
-        return (f"cpu plan: {self.cores} cores{quota}, {'split' if self.split else 'shared'}: {self.trainers} "
-                f"train worker(s) x {self.trainer_threads()} threads ({where}), sampler actors at nice "
-                f"+{SAMPLER_NICE}; OpenMP waits passively (--cpu-plan off: Ray's defaults)")
+        if self.samplers:
+            share, samplers = ("split: " if self.split else "shared: "), f", sampler actors at nice +{SAMPLER_NICE}"
+        else:
+            share, samplers = "", ", no sampler actors"
+        return (f"cpu plan: {self.cores} cores{quota}, {share}{self.trainers} train worker(s) x "
+                f"{self.trainer_threads()} threads ({where}){samplers}; OpenMP waits passively (--cpu-plan off: "
+                f"Ray's defaults)")
 
 
 def _ranges(ids: tuple) -> str:

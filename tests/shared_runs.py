@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16",
              "--fanouts", "5,5", "--batch-size", "128", "--hidden", "32", "--num-workers", "2",
-             "--sampler-actors", "1,2", "--eval", "sampled"]  # layer-wise inference: tests/inference/test_inference.py
+             "--sample-on", "actors", "--sampler-actors", "1,2", "--eval", "sampled"]  # layer-wise inference: tests/inference/test_inference.py
 SCRIPT_EPOCHS = 2
 
 

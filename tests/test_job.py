@@ -10,7 +10,7 @@ import pytest
 
 from conftest import shared_dataset
 from gnnray.config import parse_args
-from gnnray.cpus import CpuPlan, node_cpus, samplers_per_node
+from gnnray.cpus import CpuPlan, node_cpus
 from gnnray.driver.cli import main
 from gnnray.driver.fit import run
 from gnnray.driver.preflight import spill_disk
@@ -44,9 +44,14 @@ def test_cora_reaches_published_accuracy(cora_run):
     assert sum(m["seeds_per_s"] * m["epoch_time"] for m in logged) == pytest.approx(20 * 140, rel=1e-6)
     assert summary.best_val_acc == max(m["val_acc"] for m in logged)
     # The CPU plan, on by default, as rank 0 applied it (2 workers on this one node) and recorded it.
-    plan = CpuPlan(node_cpus(), 2, samplers_per_node(2, 1))
+    plan = CpuPlan(node_cpus(), 2, 0)  # no sampler actors: the workers sample
     assert {m["cpu_threads"] for m in logged} == {plan.trainer_threads()}
     assert logged[0]["cpu_cores"] == list(plan.trainer_cores(0) or range(os.cpu_count()))
+    # On this host's cores the plan samples in the workers, between steps (docs/cpu-plan.md#the-budget).
+    from gnnray.train.report import events
+
+    [sampling] = [e for e in events(str(storage / "cora")) if e["event"] == "sampling"]
+    assert sampling["where"] == "worker (cpu)" and sampling["threads"] == plan.trainer_threads()
 
 
 def test_uneven_split_and_user_model(ray_cluster, tmp_path):

@@ -18,6 +18,7 @@ import warnings
 from gnnray import cpus, ray_internals, stack
 from gnnray.config import JobConfig
 from gnnray.driver import preflight
+from gnnray.pipeline import pace
 from gnnray.errors import ClusterError
 
 _RAY_DEPRECATION = "`ExecutionOptions.exclude_resources` is deprecated"
@@ -194,7 +195,12 @@ def _start_local(cfg: JobConfig, options: dict, job_env: dict):
     # Logical CPUs for every worker and sampler actor plus one for Ray Data's own tasks, no more: they are
     # what the job asks Ray for, not cores (the CPU plan decides those), and runs started beside this one on
     # the host claim theirs too. On a small machine they then share cores rather than wait forever.
-    need = cfg.train.workers_max * cfg.train.cpus_per_worker + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1
+    # --num-workers auto is decided once the cluster runs (its GPUs are Ray's to find): a CPU host's workers, or
+    # every core for a GPU host's.
+    cores = cpus.node_cores()
+    workers = math.ceil(cores / pace.THREADS_AT_MOST) if cfg.train.auto_workers else cfg.train.workers_max
+    need = workers * cfg.train.cpus_per_worker + cfg.sampler.actors_max * cfg.sampler.cpus_per_actor + 1
+    need = max(need, cores) if cfg.train.auto_workers else need
     # Registered before the cluster starts: its workers plan for this run's share of the host's cores, and
     # runs started at the same time see each other (gnnray.leases).
     if cfg.train.cpu_plan == "on":
@@ -248,16 +254,18 @@ def _environ(values: dict):
                 os.environ[k] = v
 
 
-def resolve_gpu(cfg: JobConfig, local: bool) -> bool:
-    """Whether to train on GPUs; raises :class:`ClusterError` if a fixed-size cluster can never run the job."""
-    from gnnray.driver import console
+def resolve_gpu(cfg: JobConfig, local: bool) -> tuple[JobConfig, bool]:
+    """Whether to train on GPUs, and ``cfg`` with ``--num-workers auto`` resolved (:func:`plans.workers`); raises
+    :class:`ClusterError` if a fixed-size cluster can never run the job."""
+    from gnnray.driver import console, plans
 
     nodes = preflight.nodes()
     use_gpu = bool(cfg.train.use_gpu if cfg.train.use_gpu is not None else sum(n.gpus for n in nodes) >= 1)
+    cfg = plans.workers(cfg, use_gpu, local, nodes)
     try:
         preflight.check_resources(cfg, use_gpu, nodes)
     except ClusterError as e:
         if local or not preflight.autoscaling():
             raise
         console.say(f"waiting for the autoscaler to add nodes: {e}")
-    return use_gpu
+    return cfg, use_gpu

@@ -92,8 +92,8 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
     from gnnray.train.setup import WorkerSetup
 
     graph = pub.graph
-    use_gpu = connect.resolve_gpu(cfg, pub.local)
-    cfg = plans.sampling(cfg, graph, use_gpu)  # the stream and the workers follow the resolved --sample-on
+    cfg, use_gpu = connect.resolve_gpu(cfg, pub.local)
+    cfg = plans.sampling(cfg, graph, use_gpu, pub.local)  # the stream and workers follow the resolved --sample-on
     cfg = plans.layerwise_fits(cfg, pub, use_gpu, model_factory)
     owners = _embedding_owners(cfg, pub)
     cpu = plans.cpu_policy(cfg, use_gpu)
@@ -196,7 +196,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     from gnnray.driver.split import StartedSplit, split_by_driver
     from gnnray.pipeline.sampler import packed_bytes_at_most
     from gnnray.pipeline.seeds import SeedPlan
-    from gnnray.pipeline.stream import execution_options, minibatch_stream
+    from gnnray.pipeline.stream import execution_options, minibatch_stream, streams
     from gnnray.train.loop import train_loop
 
     ray_internals.start_train_singletons()
@@ -215,9 +215,11 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         console.say(f"note: {placed} of {workers} train workers placed beside a feature shard (the "
                     f"shard nodes' CPUs and GPUs, less room for sampler actors, hold no more); Ray Train places the "
                     f"others")
-    stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu, first_step=setup.first_step,
-                              stack=setup.stack)
-    split = StartedSplit(stream, workers, execution_options())
+    split = None
+    if streams(cfg):  # otherwise each worker computes its own seed rows and samples them
+        stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu,
+                                  first_step=setup.first_step, stack=setup.stack)
+        split = StartedSplit(stream, workers, execution_options())
     trainer = DataParallelTrainer(
         train_loop,
         train_loop_config={"setup": setup},
@@ -238,15 +240,15 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
             failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
         ),
-        datasets={"train": split_by_driver},
         # Split with equal=True, so every rank gets the same row count; by the driver, and started, so that
         # the sampler pool starts while Ray Train starts its workers (StartedSplit), not when they ask.
-        dataset_config=split,
+        **(dict(datasets={"train": split_by_driver}, dataset_config=split) if split else {}),
     )
     try:
         trainer.fit()
     finally:
-        split.shutdown()
+        if split:
+            split.shutdown()
 
 
 def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local: bool) -> None:

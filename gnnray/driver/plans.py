@@ -29,25 +29,82 @@ def layerwise_fits(cfg: JobConfig, pub, use_gpu: bool, model_factory) -> JobConf
     return cfg
 
 
-def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool) -> JobConfig:
-    """``cfg`` with ``--sample-on`` resolved to actors or device (:func:`gnnray.pipeline.pace.sample_on`), printed
-    where there was a choice (a GPU run, or one that named it): a CPU run's console stays as it was."""
+def workers(cfg: JobConfig, use_gpu: bool, local: bool, nodes: list) -> JobConfig:
+    """``cfg`` with ``--num-workers auto`` resolved, printed with why: one worker per GPU of the cluster, or on CPU
+    nodes one per :data:`gnnray.pipeline.pace.THREADS_AT_MOST` cores of each (ARGO's several processes a host:
+    one worker's step hardly speeds up past that many threads)."""
+    from gnnray.driver import console
+    from gnnray.pipeline.pace import THREADS_AT_MOST
+
+    if not cfg.train.auto_workers:
+        return cfg
+    if use_gpu:
+        count, why = max(1, int(sum(n.gpus for n in nodes))), "one per GPU"
+    else:
+        cores = [_node_cores(local, n) for n in nodes if n.cpus > 0] or [_node_cores(local)]
+        count = sum(math.ceil(c / THREADS_AT_MOST) for c in cores)
+        counted = "this run's share of the host" if local else "as Ray counts them"
+        why = f"one per {THREADS_AT_MOST} cores of each CPU node ({', '.join(map(str, cores))} cores, {counted})"
+    console.say(f"workers plan: {count} train worker(s), {why}")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_workers=(count,)))
+
+
+def _node_cores(local: bool, node=None) -> int:
+    """A node's cores to plan for: this run's share of the host's real cores on a local cluster (Ray's logical
+    CPUs are only what the run asked for), else the node's CPUs as Ray counts them."""
+    from gnnray.cpus import node_cpus
+    from gnnray.leases import host_share
+
+    return host_share(node_cpus()).cores if local or node is None else int(node.cpus)
+
+
+def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) -> JobConfig:
+    """``cfg`` with ``--sample-on`` resolved to actors or device (:func:`gnnray.pipeline.pace.sample_on`; on CPU
+    workers :func:`gnnray.pipeline.pace.plan_cpu_node`), printed with why."""
     from gnnray.driver import console
     from gnnray.pipeline.pace import check_device_sampling, csc_bytes, gpu_bytes, measured_pace, sample_on
 
-    gpus = [n for n in preflight.nodes() if n.gpus > 0]
     requested = cfg.sampler.sample_on
-    pace = {}
-    if requested == "auto" and use_gpu and cfg.sampler.backend == "native":  # this graph's pace, not a figure's
-        pace["seeds_per_core"] = measured_pace(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
-    where, why = sample_on(requested, use_gpu, csc_bytes(graph), gpu_bytes() if use_gpu else None,
-                           min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size, **pace)
+    if not use_gpu and requested == "auto":
+        where, why = _cpu_sampling(cfg, graph, local)
+    else:
+        gpus = [n for n in preflight.nodes() if n.gpus > 0]
+        pace = {}
+        if requested == "auto" and use_gpu and cfg.sampler.backend == "native":  # this graph's pace, not a figure's
+            pace["seeds_per_core"] = measured_pace(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
+        where, why = sample_on(requested, use_gpu, csc_bytes(graph), gpu_bytes() if use_gpu else None,
+                               min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size, **pace)
     cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where))
     check_device_sampling(cfg)
-    if use_gpu or requested != "auto":
-        place = "on each train worker's device" if where == "device" else "in sampler actors"
-        console.say(f"sampling plan: {place} ({why})")
+    place = ("in sampler actors" if where == "actors" else "on each train worker's device" if use_gpu
+             else "in each train worker, between its steps")
+    console.say(f"sampling plan: {place} ({why})")
     return cfg
+
+
+def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool) -> tuple[str, str]:
+    """Where CPU workers' batches are sampled (:func:`cpu_sampling`), for the cluster's smallest CPU node."""
+    if cfg.sampler.backend != "native":
+        return "actors", f"--sampler {cfg.sampler.backend} samples in actors only"
+    if cfg.data.embedding_dim:
+        return "actors", "--embedding-dim rows are looked up by the actors' prefetch thread"
+    if cfg.data.feature_shards > 1:  # a worker sampling between its steps would wait for them there
+        return "actors", "--feature-shards: rows of other nodes are fetched on the prefetch thread, beside the step"
+    nodes = [n for n in preflight.nodes() if n.cpus > 0]
+    cores = min((_node_cores(local, n) for n in nodes), default=_node_cores(local))
+    return cpu_sampling(cfg, graph, cores, math.ceil(cfg.train.workers_max / max(1, len(nodes))))
+
+
+def cpu_sampling(cfg: JobConfig, graph: Graph, cores: int, workers: int) -> tuple[str, str]:
+    """``(actors | device, why)`` for ``workers`` CPU train workers on a node of ``cores`` cores: in the workers
+    where the node's sampling needs less than a core, from the native sampler measured here on the run's graph
+    and the step estimated from the batch it sampled (:func:`gnnray.pipeline.pace.plan_cpu_node`)."""
+    from gnnray.pipeline.pace import CORE_GFLOPS, Paces, measure, plan_cpu_node, step_gflop
+
+    seconds, layers = measure(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
+    gflop = step_gflop(layers, graph.feat_dim + cfg.data.embedding_dim, cfg.model.hidden, graph.num_classes)
+    plan = plan_cpu_node(cores, Paces(seconds, gflop / CORE_GFLOPS, gflop), workers)
+    return ("device" if plan.in_workers else "actors"), f"{cores} cores a node: {plan.why()}"
 
 
 def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:
@@ -57,8 +114,8 @@ def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:
     if cfg.train.cpu_plan == "off":
         return None
     nodes = [n for n in preflight.nodes() if n.cpus > 0]
-    policy = CpuPolicy(True, samplers_per_node(cfg.sampler.actors_max, len(nodes)), use_gpu,
-                       cfg.train.trainer_threads)
+    samplers = 0 if cfg.sampler.sample_on == "device" else samplers_per_node(cfg.sampler.actors_max, len(nodes))
+    policy = CpuPolicy(True, samplers, use_gpu, cfg.train.trainer_threads)
     # The line shows this node with its share of the workers; each worker plans from its own node's cores.
     console.say(policy.plan(math.ceil(cfg.train.workers_max / max(1, len(nodes)))).line())
     return policy

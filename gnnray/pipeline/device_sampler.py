@@ -169,38 +169,45 @@ def _relabel(nodes: torch.Tensor, picked: torch.Tensor) -> tuple[torch.Tensor, t
 class DeviceBatches(Prefetcher):
     """A rank's seed rows as sampled mini-batches on the device, features in ``x`` (``--sample-on device``).
 
-    The seeds go to the device first and are sampled there, on the
+    On a GPU the seeds go to the device first and are sampled there, on the
     :class:`~gnnray.pipeline.prefetch.Prefetcher`'s thread and side stream, so
     that sampling the next batches overlaps the current step's compute (the
-    sampler's few reads of sizes wait for the side stream only). Features are
-    gathered where they are placed: on the device from a placed table
-    (``placed``), else on the host for the batch's ``input_nodes`` and copied.
-    The same batches the actors' stream yields (labels int64, features float32).
+    sampler's few reads of sizes wait for the side stream only). On a CPU
+    worker the native sampler (:class:`~gnnray.pipeline.sampler.Sampler`, on
+    the worker's threads) samples each batch when the step asks for it
+    (``depth=0``): sampling and compute take turns on all of the worker's
+    cores, as DGL's loop without loader workers does. Features are gathered
+    where they are placed: on the device from a placed table (``placed``),
+    else on the host for the batch's ``input_nodes`` and copied. The same
+    batches the actors' stream yields (labels int64, features float32).
 
     Args:
         rows: The rank's stream rows (row numbers of ``plan``), in order.
         plan: The run's seed plan: a row's epoch and seeds.
-        sampler: The device's sampler.
+        sampler: The device's sampler (a GPU's :class:`DeviceSampler`, or the CPU's native sampler).
         feat: The node features (a table, or a reader of sharded ones).
-        depth: Batches sampled ahead.
+        device: Where batches are delivered.
+        depth: Batches sampled ahead (0: each when asked, on the consumer's thread).
         placed: Features held on the device (:func:`gnnray.pipeline.placement.place`), or ``None``.
     """
 
-    def __init__(self, rows: Iterable[int], plan, sampler: DeviceSampler, feat, depth: int = 2, placed=None):
+    def __init__(self, rows: Iterable[int], plan, sampler, feat, device: torch.device, depth: int = 2,
+                 placed=None):
         from gnnray.pipeline.seeds import SeedReader
 
         self._seeds, self._sampler = SeedReader(plan), sampler  # before the thread starts
-        super().__init__(rows, feat, sampler.device, depth=depth, placed=placed)
+        super().__init__(rows, feat, device, depth=depth, placed=placed)
 
     def _prepare(self, row, slot: HostSlot):
         if slot.copied is not None:
             slot.copied.synchronize()  # the last copy out of this slot must finish before we overwrite it
         epoch, seeds = self._seeds.seeds(int(row))
         with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
-            mb = self._sampler.sample(torch.from_numpy(seeds), epoch=epoch, batch=int(row))
+            mb = self._sampler.sample(seeds, epoch=epoch, batch=int(row))
             placed = self._placed
             if placed is None:  # the table is on the host: its rows for the batch's inputs, copied
                 x = slot.gather(self._feat, mb.input_nodes.cpu().numpy(), stored=self._cuda)
+                mb.labels = mb.labels.long()  # the native sampler's are the graph's dtype
                 mb.x = x.to(self._device, non_blocking=True).float()
             else:
                 host = None
@@ -214,15 +221,18 @@ class DeviceBatches(Prefetcher):
         return mb, slot.copied, None
 
 
-def device_batches(blocks: Iterable[dict], graph: Graph, cfg: JobConfig, world: int, feat,
+def device_batches(rows: Iterable[int], graph: Graph, cfg: JobConfig, world: int, feat,
                    device: torch.device, placed=None) -> DeviceBatches:
-    """This rank's :class:`DeviceBatches` over the seed stream's ``blocks`` (numpy ``{"row": ...}`` batches), with
-    the seed plan the driver streamed and the graph's CSC moved to ``device``."""
+    """This rank's :class:`DeviceBatches` over its stream ``rows``, with the seed plan the driver streamed: on a
+    GPU the graph's CSC moved there, on a CPU the native sampler over the node's zero-copy graph."""
+    from gnnray.pipeline.sampler import Sampler
     from gnnray.pipeline.seeds import SeedPlan
 
     s = cfg.sampler
     plan = (SeedPlan.elastic(graph.train_idx, s.batch_size, cfg.train.workers_max, world, cfg.run.seed)
             if cfg.train.elastic else SeedPlan.for_run(graph.train_idx, s.batch_size, world, cfg.run.seed))
-    rows = (row for block in blocks for row in block["row"].tolist())
-    return DeviceBatches(rows, plan, DeviceSampler(graph, s.fanouts, device, cfg.run.seed), feat,
+    if device.type == "cpu":  # torch's draw pays per candidate edge (47x the native sampler's time here)
+        sampler = Sampler(graph, s.fanouts, cfg.run.seed, threads=torch.get_num_threads())
+        return DeviceBatches(rows, plan, sampler, feat, device, depth=0, placed=placed)
+    return DeviceBatches(rows, plan, DeviceSampler(graph, s.fanouts, device, cfg.run.seed), feat, device,
                          depth=cfg.train.prefetch, placed=placed)

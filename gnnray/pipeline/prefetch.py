@@ -10,8 +10,11 @@ features in theirs (float16 stays float16); the device widens them, on the side
 stream. Output: :class:`MiniBatch` es on the device (labels int64, features
 float32), in input order.
 
-On CPU the same thread still does the copy and the feature gather, the costly
-parts, while the main thread computes.
+On a CPU worker (``depth=0``) there is no thread: each batch is prepared on
+the consumer's thread when it asks for it, between steps, so the gather runs
+on all of torch's threads and never takes a core from the step's OpenMP team
+(a team waits for its slowest thread: one descheduled by a second thread of
+work stalls the whole parallel region).
 
 With features placed on the device (``placed``, :mod:`gnnray.pipeline.placement`)
 the thread gathers nothing: only the batch's structure and ids cross (plus, with
@@ -110,7 +113,8 @@ class HostSlot:
 
 
 class Prefetcher:
-    """Iterate mini-batches prepared ``depth`` steps ahead on a background thread.
+    """Iterate mini-batches prepared ``depth`` steps ahead on a background thread (``depth=0``: on the consumer's
+    thread, when asked).
 
     A yielded batch stays valid until the next call to ``next``: its host
     buffers are then reused. ``depth + 1`` host buffers in all: the thread
@@ -123,7 +127,7 @@ class Prefetcher:
             (read-only is fine) or a :class:`~gnnray.pipeline.feature_reader.FeatureReader`
             (sharded features: remote rows are fetched here, on this thread).
         device: Where batches are delivered.
-        depth: Batches prepared ahead of the consumer.
+        depth: Batches prepared ahead of the consumer; 0 prepares each on the consumer's thread.
         embedding: The job's learnable embedding (``train.embedding.EmbeddingTable``), if any: its rows are
             looked up here and appended to each batch's ``x``, which is then the model's whole input.
         placed: Features held on the device (:func:`gnnray.pipeline.placement.place`): then only the ids (and
@@ -146,8 +150,12 @@ class Prefetcher:
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue()  # bounded by the free slots
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="gnnray-prefetch", daemon=True)
-        self._thread.start()
+        self._rows: Optional[Iterator] = iter(rows) if depth == 0 else None  # inline: read by the consumer
+        self._thread = None
+        if self._rows is None:
+            self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="gnnray-prefetch",
+                                            daemon=True)
+            self._thread.start()
 
     def __iter__(self) -> Iterator[MiniBatch]:
         return self
@@ -155,6 +163,8 @@ class Prefetcher:
     def __next__(self) -> MiniBatch:
         if self._stop.is_set():
             raise StopIteration
+        if self._rows is not None:
+            return self._next_inline()
         if self._held is not None:  # the last batch given is done with: its slot may be filled again
             self._free.put(self._held)
             self._held = None
@@ -167,6 +177,17 @@ class Prefetcher:
             self._queue.put(item)
             raise item.exc
         mb, ready, lookup, self._held = item
+        return self._deliver(mb, ready, lookup)
+
+    def _next_inline(self) -> MiniBatch:
+        """The next batch prepared here and now, in the one slot (the last batch given is done with)."""
+        for packed in self._rows:
+            return self._deliver(*self._prepare(packed, self._slots[0]))
+        self._drop_slots()
+        raise StopIteration
+
+    def _deliver(self, mb: MiniBatch, ready, lookup) -> MiniBatch:
+        """``mb`` ready for the consumer's stream, its embedding rows brought up to date."""
         if ready is not None:
             current = torch.cuda.current_stream(self._device)
             current.wait_event(ready)
@@ -190,7 +211,7 @@ class Prefetcher:
         """
         self._stop.set()
         deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
             try:
                 self._queue.get_nowait()
             except queue.Empty:

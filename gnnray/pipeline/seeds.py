@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 
@@ -171,6 +172,13 @@ def stream_rows(plan: SeedPlan, first_epoch: int, num_epochs: int, first_step: i
     steps = np.arange(first_epoch * plan.steps + first_step, num_epochs * plan.steps, dtype=np.int64)
     return [group * plan.ranks + r for i in range(0, len(steps), per_block)
             for group in [steps[i:i + per_block]] for r in range(plan.ranks)]
+
+
+def rank_rows(plan: SeedPlan, rank: int, first_epoch: int, num_epochs: int, first_step: int = 0) -> Iterator[int]:
+    """The rows :func:`stream_rows` hands rank ``rank``, in order, computed where the rank runs: a fixed run that
+    samples in its workers needs no stream (piece ``rank`` of every step from ``first_step`` of ``first_epoch``)."""
+    first = first_epoch * plan.steps + first_step
+    return (step * plan.ranks + rank for step in range(first, num_epochs * plan.steps))
 
 
 def seed_dataset(plan: SeedPlan, first_epoch: int, num_epochs: int, first_step: int = 0):

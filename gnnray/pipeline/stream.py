@@ -22,6 +22,12 @@ from gnnray.store.handle import GraphHandle
 from gnnray.pipeline.seeds import SeedPlan
 
 
+def streams(cfg: JobConfig) -> bool:
+    """Whether the run's workers read a Ray Data stream: sampler actors' batches, or an elastic group's seed rows
+    (its start is the split's to say). A fixed run that samples in its workers computes its own rows."""
+    return cfg.sampler.sample_on != "device" or cfg.train.elastic
+
+
 def minibatch_stream(cfg: JobConfig, graph: GraphHandle, plan: SeedPlan, first_epoch: int, actor_cls=None,
                      cpu: Optional[CpuPolicy] = None, first_step: int = 0, stack: Optional[dict] = None):
     """The dataset of packed mini-batches from step ``first_step`` of ``first_epoch`` to the end of

@@ -67,7 +67,7 @@ class Evaluator:
             self._sampler = start_evaluation_sampler(handle, fanouts, int(cfg.sampler.cpus_per_actor),
                                                      cfg.sampler.backend, cfg.run.seed, stack)
         else:
-            self._sampler = _Here(graph, fanouts, cfg)
+            self._sampler = _Here(graph, fanouts, cfg, torch.get_num_threads() if self._inline() else 1)
         self._slot = HostSlot(pin=False)  # reused by one-batch splits, see _batches
         self.requests = cfg.train.prefetch + 1
         self.max_in_flight = self.requests + cfg.train.prefetch + 2
@@ -80,8 +80,17 @@ class Evaluator:
         """Whether this worker samples its evaluation itself: the native sampler, with so few seeds to evaluate
         (:data:`SAMPLE_HERE_SEEDS`) that an actor's start, a process importing torch (3-7 CPU-seconds), would
         cost more than the sampling."""
+        if self._cfg.sampler.backend != "native":
+            return False
+        if self._inline():  # the plan samples training batches here: evaluation's too, between its steps
+            return True
         seeds = sum(len(self._graph.split(s)[self._rank::self._world]) for s in ("valid", "test"))
-        return self._cfg.sampler.backend == "native" and seeds <= SAMPLE_HERE_SEEDS
+        return seeds <= SAMPLE_HERE_SEEDS
+
+    def _inline(self) -> bool:
+        """Whether batches are sampled and gathered on this thread when the model asks (a CPU worker that samples
+        its own training batches: no second thread takes a core from the model's OpenMP team)."""
+        return self._cfg.sampler.sample_on == "device" and torch.device(self._device).type == "cpu"
 
     def accuracy(self, model, split: str) -> float:
         """The split's accuracy over every rank's share: correct and total counts summed across ranks (a
@@ -153,7 +162,8 @@ class Evaluator:
         """
         packed = self._packed(ids)
         if len(ids) > self._chunk_seeds():
-            return Prefetcher(packed, self._features, self._device, self._cfg.train.prefetch)
+            depth = 0 if self._inline() else self._cfg.train.prefetch
+            return Prefetcher(packed, self._features, self._device, depth)
         return contextlib.nullcontext(self._prepare(p) for p in packed)
 
     def _prepare(self, packed: np.ndarray) -> MiniBatch:
@@ -178,10 +188,10 @@ def row_bound(num_nodes: int, slots: int) -> int:
 class _Here:
     """Sampling in this process, called as the actor is (``sample.remote``): without Ray, or for few seeds."""
 
-    def __init__(self, graph: Graph, fanouts, cfg: JobConfig):
+    def __init__(self, graph: Graph, fanouts, cfg: JobConfig, threads: int = 1):
         from gnnray.pipeline.sampler import make_sampler
 
-        self._sampler = make_sampler(graph, fanouts, cfg.sampler.backend, cfg.run.seed)
+        self._sampler = make_sampler(graph, fanouts, cfg.sampler.backend, cfg.run.seed, threads)
         self.sample = self  # so that ``sample.remote(seeds)`` reads as for the actor
 
     def remote(self, seeds: np.ndarray) -> np.ndarray:

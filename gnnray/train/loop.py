@@ -35,7 +35,8 @@ from gnnray.pipeline.feature_reader import reader_for
 from gnnray.pipeline.device_sampler import device_batches
 from gnnray.pipeline.placement import place
 from gnnray.pipeline.prefetch import Prefetcher
-from gnnray.pipeline.seeds import plan_key, steps_per_epoch
+from gnnray.pipeline.stream import streams
+from gnnray.pipeline.seeds import SeedPlan, plan_key, rank_rows, steps_per_epoch
 from gnnray.stack import check_here
 from gnnray.train import checkpoint
 from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
@@ -110,7 +111,7 @@ def train_loop(config: dict) -> None:
     model, embedding = build(setup, graph)
     state = restore(begin.checkpoint, model, embedding)
     model, optimizer = prepare(model, state, cfg)
-    if shard is None:
+    if shard is None and streams(cfg):
         shard = ray.train.get_dataset_shard("train")
     me = Rank(setup, rank, world, device, graph, features, model, optimizer, embedding, cpu_used, begin,
               best_val=state["best_val_acc"] if state else 0.0)
@@ -192,6 +193,9 @@ class Rank:
         # After the model: what a table on the device may take is measured with the model there.
         self.placed = place(cfg.data.feature_placement, features, device, graph.indptr)
         _log_placement(self.placed, rank, setup.run_dir)
+        if rank == 0 and setup.run_dir:  # where this run's batches are sampled, as the plan resolved it
+            where = "actors" if cfg.sampler.sample_on == "actors" else f"worker ({torch.device(device).type})"
+            log_event(setup.run_dir, "sampling", where=where, threads=torch.get_num_threads())
 
     def run_epoch(self, epoch: int, batches: Iterator[MiniBatch]) -> None:
         """Train the epoch (from the checkpoint's step if it was cut short), evaluate (sampled, all ranks
@@ -244,8 +248,13 @@ def open_batches(shard, me: Rank):
     """
     cfg = me.cfg
     if cfg.sampler.sample_on == "device":  # seed rows, sampled here on the device (resolved by the driver)
-        return device_batches(shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0),
-                              me.graph, cfg, me.world, me.features, me.device, me.placed)
+        if shard is not None:
+            blocks = shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=0)
+            rows = (row for block in blocks for row in block["row"].tolist())
+        else:
+            rows = rank_rows(SeedPlan.for_run(me.graph.train_idx, cfg.sampler.batch_size, me.world, cfg.run.seed),
+                             me.rank, me.begin.epoch, cfg.train.epochs, me.begin.step)
+        return device_batches(rows, me.graph, cfg, me.world, me.features, me.device, me.placed)
     blocks = shard.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0)
     rows = (row for block in blocks for row in from_arrow(block))
     return Prefetcher(rows, me.features, me.device, depth=cfg.train.prefetch, embedding=me.embedding,

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 # layer-wise inference pass after training; a checkpoint every epoch, so that
 # a restart repeats at most the interrupted epoch (check_epochs).
 SMALL = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
-         "--batch-size", "32", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1,1", "--eval", "sampled",
+         "--batch-size", "32", "--hidden", "16", "--num-workers", "2", "--sample-on", "actors", "--sampler-actors", "1,1", "--eval", "sampled",
          "--checkpoint-interval", "0"]
 EVERY = 4  # --checkpoint-every of the recorded drills
 JOB_TIMEOUT_S = 420  # a bound, not a speed claim: runs take 30-120 s here on 2 busy cores

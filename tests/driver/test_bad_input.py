@@ -277,7 +277,7 @@ def test_autoscaling_cluster_waits_instead(ray_cluster, monkeypatch, capsys):
 
     assert not cluster.autoscaling()  # the session's cluster has no autoscaler
     monkeypatch.setattr(cluster, "autoscaling", lambda: True)
-    assert _resolve_gpu(parse_args(["--num-workers", "7", "--use-gpu", "no"]), local=False) is False
+    assert _resolve_gpu(parse_args(["--num-workers", "7", "--use-gpu", "no"]), local=False)[1] is False
     assert "waiting for the autoscaler" in capsys.readouterr().out
 
 

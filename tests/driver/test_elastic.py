@@ -30,7 +30,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the recording mod
 
 EPOCHS = 12  # at most about 7 go by before the last resize (the drain's 15 s at 3 workers: 3 at most)
 ELASTIC = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
-           "--batch-size", "32", "--hidden", "16", "--sampler-actors", "1,1", "--eval", "sampled",
+           "--batch-size", "32", "--hidden", "16", "--sample-on", "actors", "--sampler-actors", "1,1", "--eval", "sampled",
            "--checkpoint-interval", "0", "--cpus-per-worker", "4", "--num-workers", "1,3", "--resize-interval", "1",
            "--checkpoint-every", str(EVERY)]
 NODE_CPUS = 5  # one 4-CPU train worker and one CPU to spare

@@ -19,7 +19,7 @@ from gnnray.data.synthetic import make_synthetic
 from gnnray.store.handle import GraphHandle, publish
 
 JOB = ["--dataset", "synthetic", "--synthetic-nodes", "2000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
-       "--batch-size", "128", "--hidden", "32", "--num-workers", "2", "--sampler-actors", "2", "--epochs", "1",
+       "--batch-size", "128", "--hidden", "32", "--num-workers", "2", "--sample-on", "actors", "--sampler-actors", "2", "--epochs", "1",
        "--eval", "sampled"]
 
 
@@ -263,7 +263,7 @@ def test_train_workers_run_beside_their_shards(ray_cluster, two_cpu_shard_nodes,
     monkeypatch.setattr(launch, "load_and_publish", recording)
     before = set(actor_table())
     args = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
-            "--batch-size", "128", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1", "--epochs", "1",
+            "--batch-size", "128", "--hidden", "16", "--num-workers", "2", "--sample-on", "actors", "--sampler-actors", "1", "--epochs", "1",
             "--eval", "sampled", "--feature-shards", "3", "--feature-cache", "0"]
     summary = gnnray.driver.fit.run(parse_args(args + ["--storage-path", str(tmp_path),
                                                        "--name", f"beside-{uuid.uuid4().hex[:6]}"]))
@@ -274,3 +274,16 @@ def test_train_workers_run_beside_their_shards(ray_cluster, two_cpu_shard_nodes,
     assert set(workers) <= shard_nodes, (workers, shard_nodes)
     # Rank 0 reads its own shard's third of the rows locally; a worker beside no shard would fetch them all.
     assert summary.metrics["remote_row_share"] == pytest.approx(2 / 3, abs=0.1)
+
+
+def test_num_workers_auto_is_one_per_gpu_or_one_per_16_cores_of_each_cpu_node():
+    from gnnray.driver.plans import workers
+    from gnnray.driver.preflight import Node
+
+    auto = parse_args(["--num-workers", "auto"])
+    cpu_nodes = [Node("a", "10.0.0.1", 64, 0, 0), Node("b", "10.0.0.2", 2, 0, 0), Node("c", "10.0.0.3", 17, 0, 0)]
+    assert workers(auto, False, False, cpu_nodes).train.num_workers == (4 + 1 + 2,)
+    gpu_nodes = [Node("a", "10.0.0.1", 4, 0, 0), Node("b", "10.0.0.2", 96, 8, 0), Node("c", "10.0.0.3", 48, 4, 0)]
+    assert workers(auto, True, False, gpu_nodes).train.num_workers == (12,)
+    fixed = parse_args(["--num-workers", "3"])
+    assert workers(fixed, False, False, cpu_nodes) is fixed  # the user's choice stands

@@ -28,7 +28,7 @@ from gnnray.errors import ClusterError
 # stream; dropout runs are not bit-reproducible here), so two runs differ only in where the features come from.
 EXACT = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16",
          "--synthetic-avg-degree", "4", "--fanouts=-1,-1", "--batch-size", "128", "--hidden", "16", "--dropout", "0",
-         "--num-workers", "1", "--sampler-actors", "1", "--epochs", "1", "--eval", "sampled"]
+         "--num-workers", "1", "--sample-on", "actors", "--sampler-actors", "1", "--epochs", "1", "--eval", "sampled"]
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_table_larger_than_a_node_store_trains_sharded(shard_nodes, tmp_path, pu
 
     big = ["--dataset", "synthetic", "--synthetic-nodes", "50000", "--synthetic-feat-dim", "480",
            "--synthetic-avg-degree", "4", "--fanouts", "4,4", "--batch-size", "512", "--hidden", "32", "--lr", "0.01",
-           "--num-workers", "2", "--sampler-actors", "1", "--epochs", "2", "--eval", "sampled"]
+           "--num-workers", "2", "--sample-on", "actors", "--sampler-actors", "1", "--epochs", "2", "--eval", "sampled"]
     with pytest.raises(ClusterError, match="--feature-shards"):
         _run(big, tmp_path)
     summary, epochs = _run(big + ["--feature-shards", "3"], tmp_path)
@@ -100,7 +100,7 @@ def test_layerwise_tables_larger_than_the_stores_are_refused_before_training(sha
     said and evaluated sampled."""
     args = ["--dataset", "synthetic", "--synthetic-nodes", "240000", "--synthetic-feat-dim", "4",
             "--synthetic-avg-degree", "4", "--fanouts", "1,1,1", "--batch-size", "8192", "--hidden", "128",
-            "--num-workers", "1", "--sampler-actors", "1", "--epochs", "1", "--feature-shards", "3"]
+            "--num-workers", "1", "--sample-on", "actors", "--sampler-actors", "1", "--epochs", "1", "--feature-shards", "3"]
     with pytest.raises(ClusterError, match="--eval layerwise needs") as e:
         _run(args, tmp_path)
     assert "\n" not in str(e.value) and "--eval-fallback" in str(e.value) and "78.1 MiB at K=3" in str(e.value)

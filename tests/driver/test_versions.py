@@ -203,7 +203,7 @@ def test_a_node_that_joins_later_with_another_stack_is_refused_by_name(ray_clust
     from gnnray.driver.failures import one_line
 
     args = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
-            "--batch-size", "32", "--hidden", "16", "--sampler-actors", "1,1", "--eval", "sampled",
+            "--batch-size", "32", "--hidden", "16", "--sample-on", "actors", "--sampler-actors", "1,1", "--eval", "sampled",
             "--cpus-per-worker", "4", "--num-workers", "1,2", "--resize-interval", "1", "--epochs", "2000",
             "--storage-path", str(tmp_path), "--name", "joins"]  # the head (6 CPUs) fits one 4-CPU worker
     job = JobThread(args)

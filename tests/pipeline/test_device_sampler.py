@@ -220,14 +220,13 @@ def test_device_batches_follow_the_seed_plan_with_their_features(placement, devi
     plan = SeedPlan.for_run(graph.train_idx, 16, 2, cfg.run.seed)
     rows = [0, 2, plan.rows_per_epoch + 1]  # a rank's rows, into the next epoch
     placed = place(placement, LocalRows(graph.feat), device, graph.indptr, free_bytes=graph.feat.nbytes // 2)
-    with device_batches([{"row": np.array(rows[:2])}, {"row": np.array(rows[2:])}], graph, cfg, 2, graph.feat,
-                        torch.device(device), placed) as batches:
-        got = [mb.to("cpu") for mb in batches]
+    with device_batches(iter(rows), graph, cfg, 2, graph.feat, torch.device(device), placed) as batches:
+        got = [(mb.to("cpu"), mb.x.cpu().clone()) for mb in batches]  # x is valid until the next batch
     assert len(got) == len(rows)
-    for row, mb in zip(rows, got):
+    for row, (mb, x) in zip(rows, got):
         epoch = row // plan.rows_per_epoch
         assert mb.epoch == epoch
         assert mb.seeds.tolist() == plan.batches(epoch)[row % plan.rows_per_epoch].tolist()
         check_batch(graph, (4, 3), mb.seeds.numpy(), mb)
         assert mb.labels.dtype == torch.int64 and mb.x.dtype == torch.float32
-        assert torch.equal(mb.x, torch.from_numpy(graph.feat[mb.input_nodes.numpy()]))
+        assert torch.equal(x, torch.from_numpy(graph.feat[mb.input_nodes.numpy()]))

@@ -62,7 +62,7 @@ def close_or_fail(p: Prefetcher, timeout: float = 30.0) -> None:
     closer.start()
     closer.join(timeout)
     assert not closer.is_alive(), "Prefetcher.close() hung"
-    assert not p._thread.is_alive(), "prefetch thread still alive after close()"
+    assert p._thread is None or not p._thread.is_alive(), "prefetch thread still alive after close()"
 
 
 def test_batches_in_order_with_features(feat):
@@ -400,3 +400,39 @@ def test_embedding_rows_ahead_are_brought_up_to_date(device):
     assert all(on_device) and len(on_device) == batches
     assert sum(stale) >= 1  # some rows were read ahead of a step that changed them
     np.testing.assert_allclose(ahead.store.weight.numpy(), now.store.weight.numpy(), rtol=0, atol=1e-6)
+
+
+def test_depth_zero_prepares_each_batch_on_the_consumers_thread_when_asked(feat):
+    """A CPU worker's inline preparation: no thread; the source is read only when a batch is asked for, by the
+    consumer's own thread, and the batches are the same as the thread's."""
+    rows = [make_packed(i, num_seeds=1 + i % 5, epoch=i // 3) for i in range(7)]
+    readers, read = [], []
+
+    def source():
+        for i, row in enumerate(rows):
+            readers.append(threading.get_ident())
+            read.append(i)
+            yield row
+
+    p = Prefetcher(source(), feat, "cpu", depth=0)
+    assert p._thread is None and read == []  # nothing prepared ahead
+    for i in range(len(rows)):
+        check(next(p), rows[i], feat)
+        assert read == list(range(i + 1))  # exactly the batch asked for, no more
+    assert set(readers) == {threading.get_ident()}
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(p)
+    assert p._slots == []  # the buffers let go after the last row, as the thread does
+    close_or_fail(p)
+
+
+def test_depth_zero_raises_the_sources_error_in_the_consumer(feat):
+    def source():
+        yield make_packed(0, 3)
+        raise Boom("source failed")
+
+    with Prefetcher(source(), feat, "cpu", depth=0) as p:
+        next(p)
+        with pytest.raises(Boom):
+            next(p)

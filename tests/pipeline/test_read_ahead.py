@@ -55,7 +55,7 @@ def _slow_workers(ray, tmp_path, max_ahead: str) -> dict:
         return sum(r for r, _ in rows), max((b // r for r, b in rows if r), default=0)
 
     cfg = parse_args(["--synthetic-nodes", "4000", "--batch-size", "8", "--fanouts", "5,5", "--epochs",
-                      str(EPOCHS), "--num-workers", str(WORKERS), "--sampler-actors", "1,2",
+                      str(EPOCHS), "--num-workers", str(WORKERS), "--sample-on", "actors", "--sampler-actors", "1,2",
                       "--max-ahead", max_ahead])
     graph = make_synthetic(4000, 4, 16, 6, seed=0)
     handle = publish(graph)
@@ -164,7 +164,7 @@ def test_four_workers_keep_both_actors_sampling(ray_cluster, tmp_path):
 
     workers = 4
     cfg = parse_args(["--synthetic-nodes", "4000", "--batch-size", "8", "--fanouts", "3", "--epochs", "1",
-                      "--num-workers", str(workers), "--sampler-actors", "2"])
+                      "--num-workers", str(workers), "--sample-on", "actors", "--sampler-actors", "2"])
     graph = make_synthetic(4000, 4, 16, 6, seed=0)
     plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, workers, 0)
     ds = minibatch_stream(cfg, publish(graph), plan, 0, actor_cls=SlowSampler)
@@ -195,7 +195,7 @@ def test_the_held_stream_leaves_its_executor_idle(ray_cluster, tmp_path):
     import psutil
 
     cfg = parse_args(["--synthetic-nodes", "4000", "--batch-size", "8", "--fanouts", "3", "--epochs", "2",
-                      "--num-workers", "1", "--sampler-actors", "1"])
+                      "--num-workers", "1", "--sample-on", "actors", "--sampler-actors", "1"])
     graph = make_synthetic(4000, 4, 16, 6, seed=0)
     plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, 1, 0)
     ds = minibatch_stream(cfg, publish(graph), plan, 0)

@@ -166,6 +166,18 @@ def test_stream_from_a_step_covers_exactly_the_rest(world, epoch, step):
         stream_rows(plan, 0, 3, plan.steps)
 
 
+@pytest.mark.parametrize("world, epoch, step", [(1, 0, 0), (2, 1, 4), (3, 0, 7), (2, 2, 1)])
+def test_a_rank_computes_the_rows_the_stream_would_hand_it(world, epoch, step):
+    """A fixed run that samples in its workers reads no stream: each rank's own rows are the stream's rows for
+    it, in the same order, from the same resume point."""
+    from gnnray.pipeline.seeds import rank_rows, stream_rows
+
+    plan = SeedPlan.for_run(np.arange(250, dtype=np.int64), batch_size=10, num_workers=world, seed=3)
+    blocks = stream_rows(plan, epoch, 3, step)
+    for r in range(world):
+        assert list(rank_rows(plan, r, epoch, 3, step)) == np.concatenate(blocks[r::world]).tolist()
+
+
 @pytest.mark.parametrize("workers, world, first_epoch, first_step", [("3", 3, 0, 0), ("1,3", 2, 0, 7)])
 def test_every_rank_trains_its_own_piece_of_every_step(ray_cluster, workers, world, first_epoch, first_step):
     """Through the job's real stream and Ray Data's equal split: every rank takes the same number of steps, and

@@ -135,7 +135,7 @@ def test_train_worker_never_imports_dgl(ray_cluster, tmp_path):
     (poison / "sitecustomize.py").write_text(POISON)
     (tmp_path / "driver.py").write_text(DRIVER)
     args = ["--dataset", "synthetic", "--synthetic-nodes", "1000", "--synthetic-feat-dim", "8", "--fanouts", "5,5",
-            "--batch-size", "200", "--hidden", "16", "--num-workers", "2", "--sampler-actors", "1", "--epochs", "1",
+            "--batch-size", "200", "--hidden", "16", "--num-workers", "2", "--sample-on", "actors", "--sampler-actors", "1", "--epochs", "1",
             "--eval-batch-size", "64", "--inference-batch-size", "128", "--storage-path", str(tmp_path / "runs"),
             "--name", "nodgl"]
     env = {**os.environ, "GNNRAY_TEST_DGL_LOG": str(log),
