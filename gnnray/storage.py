@@ -11,10 +11,16 @@ pyarrow's clients look for them: the environment (``AWS_ACCESS_KEY_ID``, ...,
 What differs between a file system and an object store stays in this module:
 
 - A write is seen whole or not at all, and one that fails leaves the old
-  file: on a file system through a temporary name and a rename, in an object
-  store through a temporary key moved over the old object once complete (the
-  store replaces an object at once; a new object appears when its upload
-  completes). A writer that raises deletes what it wrote.
+  file: on a file system through a temporary name and a rename. In an object
+  store an object appears, or replaces the old one, at once when its upload
+  completes (S3's PUT and multipart upload); nothing is ever copied (S3 copies
+  at most 5 GiB at once) or moved. A new object is written in place; one that
+  replaces another is first written whole to a local spool (memory up to
+  :data:`SPOOL_BYTES`, then a temporary file), so a writer that raises never
+  touches the old object. A writer that raises deletes what it wrote. A write
+  killed midway leaves a temporary file (:func:`clean_leftovers` removes it at
+  the next start) or, in an object store, an upload never completed: nothing
+  a reader sees.
 - An object store cannot append: :func:`append` rewrites the object, so it is
   for small logs only.
 - An object store has no directories: a "directory" is a key prefix.
@@ -26,8 +32,10 @@ import functools
 import io
 import os
 import posixpath
+import re
+import shutil
 import tempfile
-import uuid
+import time
 from typing import IO, Callable, Optional
 from urllib.parse import urlsplit
 
@@ -38,6 +46,12 @@ from gnnray.errors import ConfigError
 # The oldest pyarrow whose S3FileSystem takes the options below (allow_delayed_open came in 21); pyproject.toml's
 # bound (tests/test_storage.py keeps the two equal).
 PYARROW_S3 = 21
+# A write that replaces an object is spooled in memory up to this size (then in a local temporary file) before its
+# upload: small rewrites (progress, metrics) cost one PUT, and no object is copied whatever its size.
+SPOOL_BYTES = 8 * 2**20
+# Leftovers of killed writes: file systems' temporary names (``NAME.PID.tmp``), and temporary keys that writes of
+# older versions moved into place (``NAME.tmp-PID-HEX``).
+_LEFTOVER = re.compile(r".+(\.\d+\.tmp|\.tmp-\d+-[0-9a-f]{8})$")
 
 
 def is_uri(location: str) -> bool:
@@ -133,27 +147,29 @@ def write(location: str, fill: Callable[[IO], object], sync: bool = True) -> int
     import pyarrow.fs
 
     fs, path = resolve(location)
-    # An object store's streams have no abort (closing one completes its upload), so an object that replaces
-    # another is written under a temporary key and moved over it only when whole: the store swaps an object at
-    # once. A new object is written in place: nothing is lost if it fails, and S3 copies at most 5 GiB at once
-    # (feature spills and embedding shards can be larger).
-    replaces = fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound
-    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if replaces else path
-    f = fs.open_output_stream(tmp)
-    try:
-        fill(f)
-        size = f.tell()
-        f.close()
-        if replaces:
-            fs.move(tmp, path)  # S3, GCS: a server-side copy, then the temporary key deleted
-    except BaseException:
+    if fs.get_file_info(path).type == pyarrow.fs.FileType.NotFound:
+        # A new object, written in place: it appears when its upload completes. The stream has no abort (closing
+        # it completes the upload), so what a failed writer began is deleted.
+        f = fs.open_output_stream(path)
         try:
-            if not f.closed:
-                f.close()
-            fs.delete_file(tmp)
-        except OSError:  # the store failed too: the writer's error says more
-            pass
-        raise
+            fill(f)
+            size = f.tell()
+            f.close()
+        except BaseException:
+            try:
+                if not f.closed:
+                    f.close()
+                fs.delete_file(path)
+            except OSError:  # the store failed too: the writer's error says more
+                pass
+            raise
+        return size
+    with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES, prefix="gnnray-write-") as spool:
+        fill(spool)  # a writer that raises here has sent nothing: the old object stays
+        size = spool.tell()
+        spool.seek(0)
+        with fs.open_output_stream(path) as f:  # the new object replaces the old one when it completes
+            shutil.copyfileobj(spool, f, 16 * 2**20)
     return size
 
 
@@ -207,11 +223,21 @@ def size(location: str) -> Optional[int]:
 
 def list_dirs(location: str) -> list[str]:
     """Names of the directories (an object store: prefixes) directly under ``location``, sorted; none if missing."""
+    return _names(location, directories=True)
+
+
+def list_files(location: str) -> list[str]:
+    """Names of the files (an object store: objects) directly under ``location``, sorted; none if missing."""
+    return _names(location, directories=False)
+
+
+def _names(location: str, directories: bool) -> list[str]:
     import pyarrow.fs
 
     fs, path = resolve(location)
     infos = fs.get_file_info(pyarrow.fs.FileSelector(path, allow_not_found=True))
-    return sorted(i.base_name for i in infos if i.type == pyarrow.fs.FileType.Directory)
+    kind = pyarrow.fs.FileType.Directory if directories else pyarrow.fs.FileType.File
+    return sorted(i.base_name for i in infos if i.type == kind)
 
 
 def make_dirs(location: str) -> None:
@@ -228,6 +254,30 @@ def delete(location: str) -> None:
         fs.delete_file(path)
     except FileNotFoundError:
         pass
+
+
+def clean_leftovers(directory: str, older_than_s: float = 600.0, recursive: bool = True) -> int:
+    """Delete what killed writes left under ``directory`` (temporary files and keys, none of them a file a
+    reader opens) unless younger than ``older_than_s``, which may be a write still going on; return how many.
+    Where the listing is refused (a store this node cannot reach), nothing: the writes that follow say why."""
+    import pyarrow.fs
+
+    try:
+        fs, path = resolve(directory)
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=recursive, allow_not_found=True))
+    except (OSError, ValueError):
+        return 0
+    now, gone = time.time(), 0
+    for info in infos:
+        if info.type == pyarrow.fs.FileType.File and _LEFTOVER.fullmatch(info.base_name):
+            if info.mtime is not None and now - info.mtime.timestamp() < older_than_s:
+                continue
+            try:
+                fs.delete_file(info.path)
+                gone += 1
+            except FileNotFoundError:  # another process cleaned it first
+                pass
+    return gone
 
 
 def check_writable(location: str) -> None:
@@ -289,6 +339,20 @@ def npy_rows(location: str, lo: int, hi: int) -> np.ndarray:
             if got != out.nbytes:
                 raise EOFError(f"{location}: {got} bytes where rows {lo}-{hi} need {out.nbytes}")
         return out
+
+
+def npy_complete(location: str, shape: tuple, dtype) -> bool:
+    """Whether the ``.npy`` file ``location`` exists and holds a whole array of ``shape`` and ``dtype``: its
+    header says so and its size is the header's and the data's (a write cut short is not complete)."""
+    fs, path = resolve(location)
+    try:
+        with fs.open_input_file(path) as f:
+            found, found_dtype, offset = _npy_header(f)
+            size = f.size()
+    except (FileNotFoundError, ValueError, EOFError):  # missing, or not a whole header
+        return False
+    nbytes = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+    return tuple(found) == tuple(shape) and found_dtype == np.dtype(dtype) and size == offset + nbytes
 
 
 def mapped_npy(location: str) -> np.ndarray:

@@ -51,6 +51,77 @@ def test_a_writer_that_fails_leaves_nothing(storage_path):
     assert storage.read_bytes(target) == b"new!" and len(fs.get_file_info(pyarrow.fs.FileSelector(base))) == 1
 
 
+def _copies_and_deletes(requests: list) -> list:
+    """The requests that copy an object on the server (S3 copies at most 5 GiB at once) or delete one."""
+    return [(r["method"], r["url"]) for r in requests
+            if r["method"] == "DELETE" or any(k.lower() == "x-amz-copy-source" for k in r["headers"])]
+
+
+def test_a_large_object_is_replaced_without_a_copy(s3_server, monkeypatch):
+    """A replacing write past the spool's size (shrunk here, so the large-object path runs) and past pyarrow's
+    10 MiB upload part: written once, as a multipart upload in place; no server-side copy that S3 would refuse
+    past 5 GiB, and no delete. A writer that fails there leaves the old object, and nothing else."""
+    monkeypatch.setattr(storage, "SPOOL_BYTES", 2**20)
+    where = s3_server.fresh_prefix()
+    path = storage.join(where, "preds.bin")
+    old, new = b"o" * (12 * 2**20), bytes(range(256)) * (13 * 2**12)
+    storage.write_bytes(path, old)
+    with s3_server.recording() as requests:
+        assert storage.write_bytes(path, new) == len(new)
+    assert storage.read_bytes(path) == new
+    assert _copies_and_deletes(requests) == [], _copies_and_deletes(requests)
+    assert any("uploads" in r["url"] for r in requests)  # the multipart upload itself
+
+    def fail(f):
+        f.write(old)
+        raise RuntimeError("crash")
+
+    with s3_server.recording() as requests, pytest.raises(RuntimeError):
+        storage.write(path, fail)
+    assert storage.read_bytes(path) == new and [r for r in requests if r["method"] in ("PUT", "POST")] == []
+    fs, base = storage.resolve(where)
+    assert [i.base_name for i in fs.get_file_info(pyarrow.fs.FileSelector(base))] == ["preds.bin"]
+
+
+def test_a_small_rewrite_is_one_put(s3_server):
+    """The progress file, rewritten during an epoch: a HEAD and one PUT, no copy, no delete."""
+    path = storage.join(s3_server.fresh_prefix(), ".progress")
+    storage.write_bytes(path, b"1 10 100")
+    with s3_server.recording() as requests:
+        storage.write_bytes(path, b"1 20 100")
+    assert storage.read_bytes(path) == b"1 20 100"
+    assert sorted(r["method"] for r in requests) == ["HEAD", "PUT"], [(r["method"], r["url"]) for r in requests]
+
+
+@STORAGE_KINDS
+def test_leftovers_of_killed_writes_are_cleaned_and_nothing_else(storage_path):
+    names = {"state.pt", "state.pt.4242.tmp", "ckpt/meta.json", "ckpt/weight.npy.tmp-4242-0123abcd",
+             "notes.tmp", "a.tmp-x"}
+    for name in names:
+        storage.write_bytes(storage.join(storage_path, *name.split("/")), b"x")
+    assert storage.clean_leftovers(storage_path) == 0  # too young: perhaps a write going on
+    assert storage.clean_leftovers(storage_path, older_than_s=0) == 2
+    fs, base = storage.resolve(storage_path)
+    left = {i.path[len(base) + 1:] for i in fs.get_file_info(pyarrow.fs.FileSelector(base, recursive=True))
+            if i.type == pyarrow.fs.FileType.File}
+    assert left == names - {"state.pt.4242.tmp", "ckpt/weight.npy.tmp-4242-0123abcd"}
+    assert storage.clean_leftovers(storage.join(storage_path, "missing")) == 0
+
+
+@STORAGE_KINDS
+def test_npy_complete_knows_a_whole_array_from_a_cut_one(storage_path):
+    a = np.arange(300, dtype=np.float32).reshape(100, 3)
+    path = storage.join(storage_path, "a.npy")
+    assert not storage.npy_complete(path, a.shape, a.dtype)
+    storage.save_npy(path, a)
+    assert storage.npy_complete(path, a.shape, a.dtype)
+    assert not storage.npy_complete(path, (101, 3), a.dtype) and not storage.npy_complete(path, a.shape, np.float16)
+    whole = storage.read_bytes(path)
+    for cut in (len(whole) - 4, 40):
+        storage.write_bytes(path, whole[:cut])
+        assert not storage.npy_complete(path, a.shape, a.dtype), cut
+
+
 @STORAGE_KINDS
 def test_npy_rows_read_only_the_rows_asked_for(storage_path):
     a = np.arange(5000 * 3, dtype=np.float32).reshape(5000, 3)

@@ -99,6 +99,7 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     """
     _import_fork_hooks()
     _import_torch_meanwhile()
+    storage.clean_leftovers(storage.run_dir(cfg.run.storage_path, cfg.run.name))  # of writes killed last time
     if overlap_ray:
         loading = _Thread(_load, cfg, model_check)
         local = init_ray(cfg)

@@ -54,6 +54,7 @@ def _check_output(output: str) -> None:
 
     try:
         storage.check_writable(storage.parent(output))
+        storage.clean_leftovers(storage.parent(output), recursive=False)  # of an earlier predict's killed write
     except (OSError, ValueError) as e:
         raise ConfigError(f"--output {output}: cannot write there ({' '.join(str(e).split())})") from None
 

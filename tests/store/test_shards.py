@@ -4,6 +4,7 @@ which nodes get them, which rows are cached."""
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -135,7 +136,8 @@ def test_in_memory_tables_are_spilled_once_per_shard(storage_path, tmp_path):
     where = storage.join(storage_path, "spill")
     spilled = spill(Normalized(ArrayRows(table)), bounds, where, "float16")
     assert isinstance(spilled, SpilledRows) and all(storage.size(f) for f in spilled.files)
-    assert [f.rsplit("/", 1)[-1] for f in spilled.files] == [f"shard-{i}-of-3.npy" for i in range(3)]
+    assert [re.sub("-[0-9a-f]{20}[.]", ".", f.rsplit("/", 1)[-1]) for f in spilled.files] == [
+        f"shard-{i}-of-3.npy" for i in range(3)]
     whole = Normalized(ArrayRows(table)).rows(0, 1_000).astype(np.float16)
     assert np.array_equal(spilled.rows(0, 1_000), whole)
     part = spilled.part(int(bounds[1]), int(bounds[2]))
@@ -145,3 +147,33 @@ def test_in_memory_tables_are_spilled_once_per_shard(storage_path, tmp_path):
     generated = RandomRows(0, 4, 1_000)
     assert spill(generated, bounds, str(tmp_path / "none"), "float32") is generated
     assert not (tmp_path / "none").exists()
+
+
+@STORAGE_KINDS
+def test_a_spill_is_written_once_for_its_content(storage_path, monkeypatch):
+    """A resumed run finds its shards' files, whole, by what they hold, and writes none again; a changed table
+    writes the shards that changed, and the files of the old table go; a file cut short is written again."""
+    from gnnray import storage
+    from gnnray.data.feature_source import spill
+
+    writes = []
+    save = storage.save_npy
+    monkeypatch.setattr(storage, "save_npy", lambda path, a: writes.append(path) or save(path, a))
+    table = np.random.default_rng(0).standard_normal((1_000, 4)).astype(np.float32)
+    bounds, where = shard_bounds(1_000, 3), storage.join(storage_path, "spill")
+    first = spill(ArrayRows(table), bounds, where, "float32").files
+    assert writes == list(first)
+    writes.clear()
+    assert spill(ArrayRows(table), bounds, where, "float32").files == first and writes == []  # the resume
+    changed = table.copy()
+    changed[-1, 0] += 1  # in the last shard only
+    writes.clear()
+    files = spill(ArrayRows(changed), bounds, where, "float32").files
+    assert files[:2] == first[:2] and writes == [files[2]] != [first[2]]
+    assert storage.list_files(where) == sorted(f.rsplit("/", 1)[-1] for f in files)
+    storage.write_bytes(files[1], storage.read_bytes(files[1])[:-8])  # as a write cut short would leave it
+    writes.clear()
+    assert spill(ArrayRows(changed), bounds, where, "float32").files == files and writes == [files[1]]
+    assert np.array_equal(storage.npy_rows(files[1], 0, 1_000), changed[bounds[1]:bounds[2]])
+    writes.clear()
+    assert not set(spill(ArrayRows(changed), bounds, where, "float16").files) & set(files) and len(writes) == 3
