@@ -112,6 +112,10 @@ class DataConfig(_Options):
     synthetic_avg_degree: int = option(10, "average in-degree of the synthetic graph", **at_least(1))
 
 
+# --sampler-actors auto, until the driver sizes the pool (gnnray.driver.plans.sampling): the pool of before.
+AUTO_ACTORS = (1, 2)
+
+
 @dataclass(frozen=True)
 class SamplerConfig(_Options):
     """How seed batches become sampled mini-batches."""
@@ -125,9 +129,11 @@ class SamplerConfig(_Options):
                               "graph each relation gets that many per layer; relation=list parts after ';' give a "
                               "relation its own, e.g. '10,10;cites=5,5;rev_writes=3,3'")
     batch_size: int = option(1024, "seed nodes per mini-batch per train worker", **at_least(1))
-    actors: tuple[int, ...] = option((1, 2), "sampler actors: MAX start with the stream where the cluster has room "
-                                     "and stay to its end; the run needs room for MIN (a single number: both)",
-                                     flag="--sampler-actors", metavar="MIN,MAX",
+    actors: Optional[tuple[int, ...]] = option(None, "sampler actors, where actors sample: MAX start with the "
+                                               "stream where the cluster has room and stay to its end; the run needs "
+                                               "room for MIN (a single number: both); auto: the cores the CPU plan "
+                                               "gives sampling on CPU workers (docs/cpu-plan.md), 1,2 beside GPUs",
+                                               flag="--sampler-actors", metavar="MIN,MAX|auto",
                                      check=lambda a: len(a) in (1, 2) and 1 <= a[0] <= a[-1],
                                      need="expected MIN,MAX with 1 <= MIN <= MAX, or a single number")
     cpus_per_actor: float = option(1.0, "CPUs per sampler actor", flag="--cpus-per-sampler", **POSITIVE)
@@ -166,11 +172,11 @@ class SamplerConfig(_Options):
 
     @property
     def actors_min(self) -> int:
-        return self.actors[0]
+        return (self.actors or AUTO_ACTORS)[0]
 
     @property
     def actors_max(self) -> int:
-        return self.actors[-1]
+        return (self.actors or AUTO_ACTORS)[-1]
 
 
 @dataclass(frozen=True)
@@ -316,8 +322,9 @@ def _parser_of(kind: Any, flag: str) -> Callable[[str], Any]:
         return lambda t: words[t.strip().lower()] if t.strip().lower() in words else fail(t, "auto, yes or no")
     if kind in (Fanouts, Optional[Fanouts]):
         return lambda t: None if kind != Fanouts and t.strip().lower() == "auto" else Fanouts.parse(t, flag)
-    if kind == tuple[int, ...]:  # "auto": the empty tuple, where the option's check allows it
-        return lambda t: () if t.strip().lower() == "auto" else (
+    if kind in (tuple[int, ...], Optional[tuple[int, ...]]):  # "auto": None, or () where the check allows it
+        auto = None if kind != tuple[int, ...] else ()
+        return lambda t: auto if t.strip().lower() == "auto" else (
             int_list(t) or fail(t, "comma-separated integers, e.g. 10,10,10"))
     base = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
     if base in (int, float):

@@ -167,6 +167,12 @@ def test_num_workers_min_max_makes_the_run_elastic():
     assert parse_args([]).run.checkpoint_every == 0  # epoch ends only, as before
 
 
+def test_sampler_actors_auto_is_the_pool_of_before_until_the_driver_sizes_it():
+    auto = parse_args(["--sampler-actors", "auto"]).sampler
+    assert auto.actors is None and parse_args([]).sampler.actors is None
+    assert (auto.actors_min, auto.actors_max) == (1, 2)
+
+
 def test_num_workers_auto_waits_for_the_driver():
     from gnnray.errors import GnnrayError
 
@@ -181,7 +187,6 @@ def test_num_workers_auto_waits_for_the_driver():
     (["--num-workers", "0,2"], "--num-workers 0,2: expected N, MIN,MAX"),
     (["--num-workers", "a,b"], "--num-workers 'a,b': expected comma-separated integers"),
     (["--num-workers", "1,2,3"], "--num-workers 1,2,3: expected N, MIN,MAX"),
-    (["--sampler-actors", "auto"], "--sampler-actors : expected MIN,MAX"),
     (["--checkpoint-every", "-1"], "--checkpoint-every -1: must be at least 0"),
     (["--resize-interval", "-1"], "--resize-interval -1.0: must be at least 0"),
 ])

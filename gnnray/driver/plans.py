@@ -64,9 +64,10 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     from gnnray.driver import console
     from gnnray.pipeline.pace import check_device_sampling, csc_bytes, gpu_bytes, measured_pace, sample_on
 
-    requested = cfg.sampler.sample_on
-    if not use_gpu and requested == "auto":
-        where, why = _cpu_sampling(cfg, graph, local)
+    requested, per_node = cfg.sampler.sample_on, 0
+    if not use_gpu and (requested == "auto" or requested == "actors" and cfg.sampler.actors is None):
+        where, why, per_node = _cpu_sampling(cfg, graph, local)
+        where = where if requested == "auto" else requested
     else:
         gpus = [n for n in preflight.nodes() if n.gpus > 0]
         pace = {}
@@ -74,7 +75,11 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
             pace["seeds_per_core"] = measured_pace(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
         where, why = sample_on(requested, use_gpu, csc_bytes(graph), gpu_bytes() if use_gpu else None,
                                min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size, **pace)
-    cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where))
+    actors = cfg.sampler.actors
+    if actors is None and where == "actors" and per_node:  # the plan's cores for sampling, on every CPU node
+        actors = (1, per_node * max(1, sum(1 for n in preflight.nodes() if n.cpus > 0)))  # MIN 1: it always starts
+        why += f"; --sampler-actors {actors[0]},{actors[1]}"
+    cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where, actors=actors))
     check_device_sampling(cfg)
     place = ("in sampler actors" if where == "actors" else "on each train worker's device" if use_gpu
              else "in each train worker, between its steps")
@@ -82,29 +87,31 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     return cfg
 
 
-def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool) -> tuple[str, str]:
-    """Where CPU workers' batches are sampled (:func:`cpu_sampling`), for the cluster's smallest CPU node."""
+def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool) -> tuple[str, str, int]:
+    """Where CPU workers' batches are sampled and the actors a node gets there (:func:`cpu_sampling`), for the
+    cluster's smallest CPU node."""
     if cfg.sampler.backend != "native":
-        return "actors", f"--sampler {cfg.sampler.backend} samples in actors only"
+        return "actors", f"--sampler {cfg.sampler.backend} samples in actors only", 0
     if cfg.data.embedding_dim:
-        return "actors", "--embedding-dim rows are looked up by the actors' prefetch thread"
+        return "actors", "--embedding-dim rows are looked up by the actors' prefetch thread", 0
     if cfg.data.feature_shards > 1:  # a worker sampling between its steps would wait for them there
-        return "actors", "--feature-shards: rows of other nodes are fetched on the prefetch thread, beside the step"
+        return "actors", "--feature-shards: rows of other nodes are fetched on the prefetch thread, beside the step", 0
     nodes = [n for n in preflight.nodes() if n.cpus > 0]
     cores = min((_node_cores(local, n) for n in nodes), default=_node_cores(local))
     return cpu_sampling(cfg, graph, cores, math.ceil(cfg.train.workers_max / max(1, len(nodes))))
 
 
-def cpu_sampling(cfg: JobConfig, graph: Graph, cores: int, workers: int) -> tuple[str, str]:
-    """``(actors | device, why)`` for ``workers`` CPU train workers on a node of ``cores`` cores: in the workers
-    where the node's sampling needs less than a core, from the native sampler measured here on the run's graph
-    and the step estimated from the batch it sampled (:func:`gnnray.pipeline.pace.plan_cpu_node`)."""
+def cpu_sampling(cfg: JobConfig, graph: Graph, cores: int, workers: int) -> tuple[str, str, int]:
+    """``(actors | device, why, sampler actors a node)`` for ``workers`` CPU train workers on a node of ``cores``
+    cores: in the workers where the node's sampling needs less than a core, from the native sampler measured
+    here on the run's graph and the step estimated from the batch it sampled
+    (:func:`gnnray.pipeline.pace.plan_cpu_node`); else in as many actors as the sampling needs cores."""
     from gnnray.pipeline.pace import CORE_GFLOPS, Paces, measure, plan_cpu_node, step_gflop
 
     seconds, layers = measure(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
     gflop = step_gflop(layers, graph.feat_dim + cfg.data.embedding_dim, cfg.model.hidden, graph.num_classes)
     plan = plan_cpu_node(cores, Paces(seconds, gflop / CORE_GFLOPS, gflop), workers)
-    return ("device" if plan.in_workers else "actors"), f"{cores} cores a node: {plan.why()}"
+    return ("device" if plan.in_workers else "actors"), f"{cores} cores a node: {plan.why()}", plan.sampler_cores
 
 
 def cpu_policy(cfg: JobConfig, use_gpu: bool) -> Optional[CpuPolicy]:

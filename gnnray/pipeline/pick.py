@@ -41,7 +41,7 @@ _JIT = dict(nogil=True, cache=True)
 
 
 @numba.njit(inline="always", **_JIT)
-def _mix(z):
+def mix(z):
     """splitmix64's finaliser: a well-spread 64-bit value from any ``z``."""
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
@@ -114,7 +114,7 @@ def pick(indptr, indices, nodes, fanouts, etype, key, offsets, pos, out, out_ety
     for i in range(lo, hi):
         v = nodes[i]
         p, stop = np.int64(indptr[v]), np.int64(indptr[v + 1])
-        state = _mix(key ^ (np.uint64(v) * _GOLDEN))
+        state = mix(key ^ (np.uint64(v) * _GOLDEN))
         at = offsets[i]
         while p < stop:
             q, f = (_run_end(etype, p, stop), fanouts[etype[p]]) if typed else (stop, fanouts[0])
@@ -127,7 +127,7 @@ def pick(indptr, indices, nodes, fanouts, etype, key, offsets, pos, out, out_ety
                 need = k
                 for j in range(d):
                     state += _GOLDEN
-                    if _below(_mix(state), d - j) < need:
+                    if _below(mix(state), d - j) < need:
                         pos[at + k - need] = p + j
                         need -= 1
                         if need == 0:
@@ -136,7 +136,7 @@ def pick(indptr, indices, nodes, fanouts, etype, key, offsets, pos, out, out_ety
                 for m in range(k):
                     j = d - k + m
                     state += _GOLDEN
-                    t = _below(_mix(state), j + 1)
+                    t = _below(mix(state), j + 1)
                     for r in range(m):
                         if scratch[r] == t:
                             t = j
@@ -234,7 +234,7 @@ _MASK = 2**64 - 1
 
 
 def _mix_int(z: int) -> int:
-    """:func:`_mix` on Python ints (keys are made once per batch, where numba's call would cost more)."""
+    """:func:`mix` on Python ints (keys are made once per batch, where numba's call would cost more)."""
     z &= _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK

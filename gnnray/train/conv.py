@@ -29,24 +29,6 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta 
 warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")  # torch >= 2.5
 
 
-class Dropout(nn.Dropout):
-    """``nn.Dropout`` whose CPU mask comes from 16-bit uniforms, four to each 64-bit draw of torch's generator.
-
-    torch's CPU ``bernoulli_`` draws one number per element on one thread (MKL's vector draw is gone from
-    current torch): on torch 2.13 a SAGE step's two dropouts took 197 of its 343 ms on an arxiv batch, against 16
-    of 106 ms on torch 2.2.1 (docs/performance.md#models). The keep probability is ``1 - p`` to within
-    2**-16, the draws still come from ``torch.manual_seed``'s generator, and CUDA tensors keep torch's dropout.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or self.p == 1 or x.device.type != "cpu" or self.inplace:
-            return super().forward(x)
-        n = x.numel()
-        words = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64)
-        keep = words.view(torch.int16)[:n].view(x.shape) >= round(self.p * 65536) - 32768
-        return x * keep.to(x.dtype).mul_(1 / (1 - self.p))  # a float mask: backward multiplies by it, unpromoted
-
-
 class Csr:
     """A sparsity pattern of ``num_rows x num_cols`` in CSR form: row ``i`` (a destination) holds the columns
     (sources) ``indices[indptr[i]:indptr[i + 1]]``. A :class:`Layer` is one: rows are its destination nodes.

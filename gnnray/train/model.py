@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from gnnray.errors import CheckpointError
-from gnnray.train.conv import Csr, Dropout, GATConv, GraphConv, SAGEConv, attend, mean
+from gnnray.train.conv import Csr, GATConv, GraphConv, SAGEConv, attend, mean
+from gnnray.train.dropout import Dropout
 
 MODELS = ("sage", "gat", "gcn", "rgat", "rsage")
 

@@ -137,6 +137,7 @@ def test_the_job_plans_a_2_core_host_and_a_64_core_node_apart():
         cfg = workers(auto, False, False, [Node("n", "10.0.0.1", cores, 0, 0)])
         lines[cores] = (cfg.train.num_workers, cpu_sampling(cfg, graph, cores, cfg.train.workers_max))
     assert lines[2][0] == (1,) and lines[64][0] == (4,)
-    for cores, (count, (where, why)) in lines.items():
-        assert where == "device" and f"{cores} cores a node" in why and f"{count[0]} worker(s) need" in why
+    for cores, (count, (where, why, actors)) in lines.items():
+        assert (where, actors) == ("device", 0)
+        assert f"{cores} cores a node" in why and f"{count[0]} worker(s) need" in why
         assert f"on {cores // count[0]} threads" in why

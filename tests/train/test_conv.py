@@ -244,7 +244,7 @@ def test_the_models_import_no_dgl():
 def test_cpu_dropout_keeps_one_minus_p_and_scales_as_torchs(p):
     """gnnray's CPU dropout: each element kept with probability 1 - p (binomial bounds at 6 sigma), kept ones
     scaled by 1 / (1 - p), the gradient through the same mask, the mask fixed by torch's seed, identity in eval."""
-    from gnnray.train.conv import Dropout
+    from gnnray.train.dropout import Dropout
 
     drop = Dropout(p).train()
     x = torch.rand(300, 1000) + 1.0  # no zeros: a zero output means dropped
@@ -264,10 +264,29 @@ def test_cpu_dropout_keeps_one_minus_p_and_scales_as_torchs(p):
 
 def test_cpu_dropout_picks_positions_uniformly():
     """Every position is dropped about as often (a column bias would show here), over 200 draws of 16 x 64."""
-    from gnnray.train.conv import Dropout
+    from gnnray.train.dropout import Dropout
 
     torch.manual_seed(0)
     drop, x = Dropout(0.5).train(), torch.ones(16, 64)
     counts = sum((drop(x) == 0).float() for _ in range(200))
     stat = float(((counts - 100) ** 2 / 50).sum())  # chi-square, 1024 cells of Binomial(200, 1/2)
     assert stat < 1024 + 6 * (2 * 1024) ** 0.5, stat
+
+
+def test_cpu_dropout_mask_is_the_same_on_any_thread_count():
+    """Each thread draws its own range of the mask from the element's position: 1 and 2 threads (and an odd
+    length, whose last word is cut) give one mask for one seed."""
+    from gnnray.train.dropout import keep_mask
+
+    before = torch.get_num_threads()
+    masks = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            torch.manual_seed(5)
+            masks.append(keep_mask(100_003, 0.3))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(masks[0], masks[1])
+    values = masks[0].unique().tolist()
+    assert len(values) == 2 and values[0] == 0 and values[1] == pytest.approx(1 / 0.7)
