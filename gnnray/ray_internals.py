@@ -157,3 +157,25 @@ def _plain_versions(framework) -> dict:
 
     read = getattr(state_manager, "_gnnray_read_versions", state_manager._get_framework_version)
     return {name: str(version) for name, version in read(framework).items()}
+
+
+def lean_trainer(local: bool):
+    """Ray Train's ``DataParallelTrainer``, less the controller callbacks a run without them needs not start.
+
+    Each is a process of its own that imports Ray Train or Ray Data (2.8-3.0 CPU-seconds each, before the
+    first step, on 2 cores): the dataset manager, which Ray Train starts even when it is given no dataset (a
+    fixed run whose workers sample their own rows has none), and on a cluster this process started (``local``)
+    the placement-group cleaner, which removes the workers' placement group should the controller die while the
+    cluster lives on: a local cluster ends with this process.
+    """
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    class LeanTrainer(DataParallelTrainer):
+        def _create_default_callbacks(self):
+            unneeded = (() if self.datasets else (DatasetsCallback,)) + (
+                (PlacementGroupCleanerCallback,) if local else ())
+            return [c for c in super()._create_default_callbacks() if not isinstance(c, unneeded)]
+
+    return LeanTrainer

@@ -156,7 +156,7 @@ def test_job_script_end_to_end_learns_and_resumes(script_run):
     lines = [l for l in lines if l not in disk]
     # The console holds the run's own lines only: its cluster, graph, CPU plan, one per epoch, the summary.
     # Ray's (constructor-argument E-lines, Ray Data's progress and finish lines) stay in the session's logs.
-    assert [l.split()[0] for l in lines[:-1]] == ["ray:", "graph", "cpu", "epoch=0", "epoch=1"], lines
+    assert [l.split()[0] for l in lines[:-1]] == ["ray:", "graph", "sampling", "cpu", "epoch=0", "epoch=1"], lines
     assert lines[-1].startswith("best_val_acc="), lines
     assert out.stderr == "", out.stderr[-3000:]
     assert lines[0].startswith(f"ray: cluster {script_run.address}, "), lines[0]

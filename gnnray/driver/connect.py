@@ -67,12 +67,14 @@ def init_ray(cfg: JobConfig) -> bool:
     console.quiet_ray(cfg.run.verbose)
     ray.data.DataContext.get_current().enable_progress_bars = cfg.run.verbose and sys.stdout.isatty()
     cluster = preflight.nodes()
-    checked = preflight.check_versions(cluster, expected)
+    # A cluster this process started runs on this machine, from this environment: nothing to compare (the task
+    # that would check costs a worker process, a CPU-second on 2 cores).
+    checked = len(cluster) if local else preflight.check_versions(cluster, expected)
     dashboard = track_train_state()
     if started is not None:
         console.say(console.cluster_line(local, started.address_info["gcs_address"], dashboard,
                                          len(cluster), checked, expected))
-        for line in preflight.full_disks(cluster):  # said once, as the cluster is
+        for line in preflight.full_disks(cluster, here=local):  # said once, as the cluster is
             console.say(line)
     return local
 

@@ -189,8 +189,6 @@ def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tu
 def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local: bool) -> None:
     """One Ray Train attempt over the stream of sampled mini-batches."""
     import ray.train
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
     from gnnray.train.process_group import ProcessGroupConfig
 
     from gnnray.driver.split import StartedSplit, split_by_driver
@@ -220,7 +218,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu,
                                   first_step=setup.first_step, stack=setup.stack)
         split = StartedSplit(stream, workers, execution_options())
-    trainer = DataParallelTrainer(
+    trainer = ray_internals.lean_trainer(local)(
         train_loop,
         train_loop_config={"setup": setup},
         backend_config=ProcessGroupConfig(),  # TorchConfig's work without torch in the controller
@@ -264,8 +262,6 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     prints the resizes). The dashboard shows each start as an attempt of the run.
     """
     import ray.train
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
     from gnnray.train.process_group import ProcessGroupConfig
 
     from gnnray.driver.split import ElasticSplit, split_by_driver
@@ -276,7 +272,7 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     log_event(setup.run_dir, "fit", num_workers=list(cfg.train.num_workers))  # attempts count from here
-    trainer = DataParallelTrainer(
+    trainer = ray_internals.lean_trainer(local)(
         train_loop,
         train_loop_config={"setup": setup},
         backend_config=ProcessGroupConfig(),  # TorchConfig's work without torch in the controller

@@ -147,7 +147,7 @@ def spill_disk() -> tuple:
     return path, usage.free, usage.total, float(os.environ.get(DISK_THRESHOLD_ENV, DISK_THRESHOLD))
 
 
-def full_disks(cluster: list[Node]) -> list[str]:
+def full_disks(cluster: list[Node], here: bool = False) -> list[str]:
     """A warning for each node of ``cluster`` whose spill disk is past Ray's threshold (none where all answer
     in time below it).
 
@@ -155,19 +155,23 @@ def full_disks(cluster: list[Node]) -> list[str]:
     console leaves out (:data:`gnnray.driver.console.RAY_WORKER_NOISE`): this
     says it once, with what to do. The check reads the session directory, where
     Ray spills unless the cluster was started with its own spilling config.
+    With ``here`` (a cluster this process started, on this machine) it reads it
+    in this process: a task would start a worker process for it.
     """
     import ray
 
-    refs, ready, _ = _on_each_node(cluster, spill_disk)
+    answers = [(n, spill_disk()) for n in cluster[:1]] if here else []
+    if not here:
+        refs, ready, _ = _on_each_node(cluster, spill_disk)
+        for ref in ready:
+            try:
+                answers.append((refs[ref], ray.get(ref)))
+            except ray.exceptions.RayError:  # a node that died since the version check: nothing to warn of
+                continue
     lines = []
-    for ref in ready:
-        try:
-            path, free, total, threshold = ray.get(ref)
-        except ray.exceptions.RayError:  # a node that died since the version check: nothing to warn of
-            continue
+    for n, (path, free, total, threshold) in answers:
         used = 1 - free / total if total else 1.0
         if used >= threshold:
-            n = refs[ref]
             lines.append(f"warning: node {n.address} ({n.node_id[:8]}): the disk of {path} is {used:.1%} full "
                          f"({size_text(free)} free of {size_text(total)}), past the {threshold:.0%} at which Ray "
                          f"stops spilling objects there, so a run whose objects outgrow the object store fails; "

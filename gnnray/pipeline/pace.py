@@ -131,7 +131,7 @@ class CpuNodePlan:
         head = (f"a batch takes {p.sample_s * 1e3:.1f} ms of one core to sample, a step about {step * 1e3:.0f} ms "
                 f"on {self.threads} threads ({est}): {self.workers} worker(s) need {self.need:.2f} cores of sampling")
         if self.in_workers:
-            return head + ", less than one: each worker samples between its steps, on all its threads"
+            return head + ", less than one"
         return head + f": {self.sampler_cores} core(s) of sampler actors beside them"
 
 

@@ -69,3 +69,23 @@ def test_started_split_samples_before_the_ranks_ask_and_splits_equally(ray_clust
     for epoch in range(2):  # the driver's epoch, then one the ranks start themselves
         assert len(first[epoch]) == len(second[epoch]) == 20
         assert sorted(first[epoch] + second[epoch]) == list(range(40))
+
+
+@pytest.mark.parametrize("datasets, local", [(False, True), (True, False)])
+def test_the_trainer_starts_only_the_controller_callbacks_the_run_needs(ray_cluster, tmp_path, datasets, local):
+    """No dataset manager for a run without a stream, no placement-group cleaner on a cluster this process
+    started (each would be one more process importing Ray Train); both otherwise, as Ray Train has them."""
+    import ray.data
+    import ray.train
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from gnnray import ray_internals
+
+    given = dict(datasets={"train": ray.data.range(4)}) if datasets else {}
+    trainer = ray_internals.lean_trainer(local)(
+        lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1),
+        run_config=ray.train.RunConfig(name="lean", storage_path=str(tmp_path)), **given)
+    kinds = {type(c) for c in trainer._create_default_callbacks()}
+    assert (DatasetsCallback in kinds) == datasets
+    assert (PlacementGroupCleanerCallback in kinds) == (not local)
