@@ -61,7 +61,7 @@ Run alone (``python -m bench.NAME``), each backing the figures named:
 - ``sampling``: gnnray's sampler against GraphBolt's,
   docs/performance.md#sampling (and a GPU machine's cores in ``gpu_run.sh``).
 - ``startup``: the command to the first training step, fresh or joining a
-  head, docs/performance.md#start-up-from-the-command-to-the-first-training-step.
+  head, docs/performance.md#start-up-and-the-end-of-a-run-a-whole-runs-fixed-cost.
 - ``models``: each model's step against DGL's modules, docs/performance.md#models.
 - ``products``: the products-sized whole run and the structure load against
   the DGL script, docs/performance.md#loading-and-memory.

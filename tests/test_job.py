@@ -93,7 +93,7 @@ def test_sampling_on_the_device_trains_as_the_actors_do(cora_run, tmp_path, caps
                       "--num-workers", "2", "--storage-path", str(tmp_path), "--name", "device",
                       "--sample-on", "device", "--feature-placement", "device", "--eval", "sampled"])
     summary = run(cfg)
-    assert "sampling plan: on each train worker's device (--sample-on device)" in capsys.readouterr().out
+    assert "sampling plan: in each train worker, between its steps (--sample-on device)" in capsys.readouterr().out
     did = [e for e in events(str(tmp_path / "device")) if e["event"] == "features"]
     assert did and did[-1]["placement"] == "device", did  # the worker says what it did
     logged = _epochs_logged(tmp_path, "device")

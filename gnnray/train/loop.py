@@ -227,7 +227,7 @@ class Rank:
             metrics.update(final_layerwise(self.model, self.graph, self.setup, self.embedding, self.device,
                                            self.rank, self.world, metrics["test_acc"]))
         metrics["worker_uss_mb"] = self.memory.max_mb(self.device, fresh=last)
-        if self.cpu_used:  # what the CPU plan gave this rank (docs/cpu-plan.md#the-plan)
+        if self.cpu_used:  # what the CPU plan gave this rank (docs/cpu-plan.md#the-budget)
             metrics.update(cpu_threads=self.cpu_used["torch_threads"], cpu_cores=self.cpu_used["cores"],
                            cpu_nice=self.cpu_used["nice"])
         self.exported.epoch(epoch, metrics)

@@ -31,7 +31,7 @@ from gnnray.driver.preflight import DISK_THRESHOLD_ENV, spill_disk
 # What a run prints (gnnray's own lines); anything else on its console is Ray's.
 OWN_LINE = re.compile(r"^(ray: |graph |cpu plan: |sampling plan: |features: |epoch=\d+ |layer-wise inference: |"
                       r"best_val_acc=|warning: node \S+ \(\w+\): the disk of )")
-CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray \S+, torch \S+, numpy \S+, numba \S+, gnnray src-\w+ on "
+CLUSTER_LINE = re.compile(r"^ray: local cluster (\S+), 1 node \(python \S+, ray \S+, torch \S+, (?:\w+ \S+, )*gnnray src-\w+ on "
                           r"every node\), dashboard (\S+)$")
 
 
