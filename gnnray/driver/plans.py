@@ -65,11 +65,12 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     from gnnray.pipeline.pace import check_device_sampling, csc_bytes, gpu_bytes, measured_pace, sample_on
 
     requested, per_node = cfg.sampler.sample_on, 0
+    nodes = preflight.nodes()  # asked once: each call is a round trip to the cluster's GCS
     if not use_gpu and (requested == "auto" or requested == "actors" and cfg.sampler.actors is None):
-        where, why, per_node = _cpu_sampling(cfg, graph, local)
+        where, why, per_node = _cpu_sampling(cfg, graph, local, nodes)
         where = where if requested == "auto" else requested
     else:
-        gpus = [n for n in preflight.nodes() if n.gpus > 0]
+        gpus = [n for n in nodes if n.gpus > 0]
         pace = {}
         if requested == "auto" and use_gpu and cfg.sampler.backend == "native":  # this graph's pace, not a figure's
             pace["seeds_per_core"] = measured_pace(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
@@ -77,7 +78,7 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
                                min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size, **pace)
     actors = cfg.sampler.actors
     if actors is None and where == "actors" and per_node:  # the plan's cores for sampling, on every CPU node
-        actors = (1, per_node * max(1, sum(1 for n in preflight.nodes() if n.cpus > 0)))  # MIN 1: it always starts
+        actors = (1, per_node * max(1, sum(1 for n in nodes if n.cpus > 0)))  # MIN 1: it always starts
         why += f"; --sampler-actors {actors[0]},{actors[1]}"
     cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where, actors=actors))
     check_device_sampling(cfg)
@@ -87,7 +88,7 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     return cfg
 
 
-def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool) -> tuple[str, str, int]:
+def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool, nodes: list) -> tuple[str, str, int]:
     """Where CPU workers' batches are sampled and the actors a node gets there (:func:`cpu_sampling`), for the
     cluster's smallest CPU node."""
     if cfg.sampler.backend != "native":
@@ -96,7 +97,7 @@ def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool) -> tuple[str, str, 
         return "actors", "--embedding-dim rows are looked up by the actors' prefetch thread", 0
     if cfg.data.feature_shards > 1:  # a worker sampling between its steps would wait for them there
         return "actors", "--feature-shards: rows of other nodes are fetched on the prefetch thread, beside the step", 0
-    nodes = [n for n in preflight.nodes() if n.cpus > 0]
+    nodes = [n for n in nodes if n.cpus > 0]
     cores = min((_node_cores(local, n) for n in nodes), default=_node_cores(local))
     return cpu_sampling(cfg, graph, cores, math.ceil(cfg.train.workers_max / max(1, len(nodes))))
 

@@ -57,7 +57,7 @@ def sample_on(requested: str, use_gpu: bool, csc_bytes: int, gpu_bytes: Optional
 
     Args:
         requested: ``auto``, ``actors`` or ``device``.
-        use_gpu: Whether the train workers have a GPU.
+        use_gpu: Whether the train workers have a GPU (CPU workers are planned by :func:`plan_cpu_node`).
         csc_bytes: The graph's ``indptr`` + ``indices`` (+ relation codes) bytes.
         gpu_bytes: One worker's GPU memory, if known; ``None`` (unknown) never picks the device.
         cores_per_gpu: CPU cores a GPU node has per GPU, for its sampler actors.
@@ -66,8 +66,6 @@ def sample_on(requested: str, use_gpu: bool, csc_bytes: int, gpu_bytes: Optional
     """
     if requested != "auto":
         return requested, "--sample-on " + requested
-    if not use_gpu:
-        return "actors", "CPU workers: see the cpu plan"
     if gpu_bytes is None or csc_bytes > CSC_SHARE * gpu_bytes:
         return "actors", "the graph's structure does not fit a quarter of the GPU's memory"
     need = batch_size / step_s
