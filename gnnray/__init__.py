@@ -34,7 +34,8 @@ step  file                        runs on                 output
   ``device_sampler.py`` samples in torch on the train worker's device
   (``--sample-on device``: on a GPU in torch, on a CPU worker with the native
   sampler between steps; a fixed run then needs no stream), and ``pace.py``
-  plans a CPU node's cores as one budget (workers, threads, where sampling runs).
+  plans a CPU node's cores as one budget (workers, threads, where sampling runs)
+  and, beside GPU workers, where sampling runs and the actors that keep pace.
 - ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it), plus ``embedding.py`` (``--embedding-dim``)
   and ``checkpoint.py`` (written by rank 0 and, for embedding rows, by their owners; chosen by the driver).
 - ``driver/``: ``cli.py`` (exit codes) -> ``fit.py`` (resume, restarts, final

@@ -112,7 +112,8 @@ class DataConfig(_Options):
     synthetic_avg_degree: int = option(10, "average in-degree of the synthetic graph", **at_least(1))
 
 
-# --sampler-actors auto, until the driver sizes the pool (gnnray.driver.plans.sampling): the pool of before.
+# --sampler-actors auto, until the driver sizes the pool (gnnray.driver.plans.sampling), and where it does not (the
+# workers sample their own batches, or a --sampler whose pace is not measured beside CPU workers).
 AUTO_ACTORS = (1, 2)
 
 
@@ -132,7 +133,9 @@ class SamplerConfig(_Options):
     actors: Optional[tuple[int, ...]] = option(None, "sampler actors, where actors sample: MAX start with the "
                                                "stream where the cluster has room and stay to its end; the run needs "
                                                "room for MIN (a single number: both); auto: the cores the CPU plan "
-                                               "gives sampling on CPU workers (docs/cpu-plan.md), 1,2 beside GPUs",
+                                               "gives sampling on CPU workers (docs/cpu-plan.md); beside GPUs, per "
+                                               "worker the actors that keep pace with its steps, as its node's cores "
+                                               "per GPU allow",
                                                flag="--sampler-actors", metavar="MIN,MAX|auto",
                                      check=lambda a: len(a) in (1, 2) and 1 <= a[0] <= a[-1],
                                      need="expected MIN,MAX with 1 <= MIN <= MAX, or a single number")

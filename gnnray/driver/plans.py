@@ -59,26 +59,24 @@ def _node_cores(local: bool, node=None) -> int:
 
 
 def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) -> JobConfig:
-    """``cfg`` with ``--sample-on`` resolved to actors or device (:func:`gnnray.pipeline.pace.sample_on`; on CPU
-    workers :func:`gnnray.pipeline.pace.plan_cpu_node`), printed with why."""
+    """``cfg`` with ``--sample-on`` resolved to actors or device and, where actors sample and
+    ``--sampler-actors`` is not given, their pool sized (on GPU workers :func:`gpu_sampling`, on CPU workers
+    :func:`gnnray.pipeline.pace.plan_cpu_node`), printed with why."""
     from gnnray.driver import console
-    from gnnray.pipeline.pace import check_device_sampling, csc_bytes, gpu_bytes, measured_pace, sample_on
+    from gnnray.pipeline.pace import check_device_sampling
 
-    requested, per_node = cfg.sampler.sample_on, 0
+    requested, actors = cfg.sampler.sample_on, cfg.sampler.actors
     nodes = preflight.nodes()  # asked once: each call is a round trip to the cluster's GCS
-    if not use_gpu and (requested == "auto" or requested == "actors" and cfg.sampler.actors is None):
+    if use_gpu:
+        where, why, actors = gpu_sampling(cfg, graph, nodes)
+    elif requested == "auto" or requested == "actors" and actors is None:
         where, why, per_node = _cpu_sampling(cfg, graph, local, nodes)
         where = where if requested == "auto" else requested
+        if actors is None and where == "actors" and per_node:  # the plan's cores for sampling, on every CPU node
+            actors = (1, per_node * max(1, sum(1 for n in nodes if n.cpus > 0)))  # MIN 1: it always starts
     else:
-        gpus = [n for n in nodes if n.gpus > 0]
-        pace = {}
-        if requested == "auto" and use_gpu and cfg.sampler.backend == "native":  # this graph's pace, not a figure's
-            pace["seeds_per_core"] = measured_pace(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
-        where, why = sample_on(requested, use_gpu, csc_bytes(graph), gpu_bytes() if use_gpu else None,
-                               min((n.cpus / n.gpus for n in gpus), default=0.0), cfg.sampler.batch_size, **pace)
-    actors = cfg.sampler.actors
-    if actors is None and where == "actors" and per_node:  # the plan's cores for sampling, on every CPU node
-        actors = (1, per_node * max(1, sum(1 for n in nodes if n.cpus > 0)))  # MIN 1: it always starts
+        where, why = requested, "--sample-on " + requested
+    if actors != cfg.sampler.actors:
         why += f"; --sampler-actors {actors[0]},{actors[1]}"
     cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where, actors=actors))
     check_device_sampling(cfg)
@@ -88,13 +86,60 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     return cfg
 
 
+def gpu_sampling(cfg: JobConfig, graph: Graph, nodes: list) -> tuple[str, str, Optional[tuple]]:
+    """``(actors | device, why, --sampler-actors)`` for GPU train workers on ``nodes``.
+
+    Where: :func:`gnnray.pipeline.pace.sample_on` at this graph's measured
+    sampling pace, with the GPU nodes' own GPU memory
+    (:func:`gnnray.driver.preflight.gpu_memory`), asked only where the cores
+    per GPU could not keep pace: a CPU head node plans as a GPU head node
+    does. The pool, where actors sample and ``--sampler-actors`` is not
+    given: per train worker the actors that keep pace with its steps
+    (:func:`gnnray.pipeline.pace.actors_for_pace`), as many as its node's
+    cores per GPU give beside the worker.
+    """
+    from gnnray.pipeline.pace import (GPU_STEP_S, SEEDS_PER_CORE, actors_for_pace, csc_bytes, keeps_pace,
+                                      measured_pace, sample_on)
+
+    s = cfg.sampler
+    gpus = [n for n in nodes if n.gpus > 0]
+    per_gpu = min((n.cpus / n.gpus for n in gpus), default=0.0)
+    refused = _actors_only(cfg) if s.sample_on == "auto" else ""
+    # The rule needs a pace, and so does a pool to size.
+    sized = s.sample_on == "auto" and not refused or s.sample_on != "device" and s.actors is None
+    measured = sized and s.backend == "native"  # this graph's pace, not a figure's
+    seeds = measured_pace(graph, s.fanouts, s.batch_size, cfg.run.seed) if measured else SEEDS_PER_CORE
+    if refused:
+        where, why = "actors", refused
+    else:
+        memory, unknown = None, ""
+        if s.sample_on == "auto" and not keeps_pace(per_gpu, s.batch_size, seeds):
+            memory, unknown = preflight.gpu_memory(nodes)
+        where, why = sample_on(s.sample_on, True, csc_bytes(graph), memory, per_gpu, s.batch_size, seeds,
+                               unknown=unknown)
+    if where != "actors" or s.actors is not None:
+        return where, why, s.actors
+    cores = max(0, math.floor((per_gpu - cfg.train.cpus_per_worker) / s.cpus_per_actor))
+    each = actors_for_pace(GPU_STEP_S, s.batch_size, cores, seeds)
+    pace = f"{seeds:,.0f} seeds/s a core" + ("" if measured else " assumed")
+    why += f"; {each} actor(s) a GPU worker keep pace with its steps ({pace}, {cores} core(s) to spare a GPU)"
+    return where, why, (1, each * cfg.train.workers_max)  # MIN 1: it always starts
+
+
+def _actors_only(cfg: JobConfig) -> str:
+    """Why only sampler actors serve this run's batches, or ``""``."""
+    if cfg.sampler.backend != "native":
+        return f"--sampler {cfg.sampler.backend} samples in actors only"
+    if cfg.data.embedding_dim:
+        return "--embedding-dim rows are looked up by the actors' prefetch thread"
+    return ""
+
+
 def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool, nodes: list) -> tuple[str, str, int]:
     """Where CPU workers' batches are sampled and the actors a node gets there (:func:`cpu_sampling`), for the
     cluster's smallest CPU node."""
-    if cfg.sampler.backend != "native":
-        return "actors", f"--sampler {cfg.sampler.backend} samples in actors only", 0
-    if cfg.data.embedding_dim:
-        return "actors", "--embedding-dim rows are looked up by the actors' prefetch thread", 0
+    if refused := _actors_only(cfg):
+        return "actors", refused, 0
     if cfg.data.feature_shards > 1:  # a worker sampling between its steps would wait for them there
         return "actors", "--feature-shards: rows of other nodes are fetched on the prefetch thread, beside the step", 0
     nodes = [n for n in nodes if n.cpus > 0]

@@ -116,17 +116,52 @@ def check_versions(cluster: list[Node], expected: dict, timeout_s: float = VERSI
     return len(ready)
 
 
-def _on_each_node(cluster: list[Node], fn, *args, timeout_s: float = VERSION_CHECK_TIMEOUT_S) -> tuple:
-    """Call ``fn(*args)`` in a task without CPUs on each node of ``cluster``, once: ``({ref: node}, refs
-    ready within timeout_s, refs not)``."""
+def _on_each_node(cluster: list[Node], fn, *args, timeout_s: float = VERSION_CHECK_TIMEOUT_S, **options) -> tuple:
+    """Call ``fn(*args)`` in a task without CPUs (``options``: what else it holds) on each node of ``cluster``,
+    once: ``({ref: node}, refs ready within timeout_s, refs not)``."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    task = ray.remote(num_cpus=0, max_retries=0, **options)(fn)
     refs = {task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
             .remote(*args): n for n in cluster}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     return refs, ready, pending
+
+
+# How long the GPU nodes may take to say their GPU's memory: a worker process to start, the CUDA driver to load.
+GPU_PROBE_TIMEOUT_S = 30.0
+
+
+def gpu_memory(cluster: list[Node], timeout_s: float = GPU_PROBE_TIMEOUT_S) -> tuple[Optional[int], str]:
+    """``(bytes, "")``: the smallest GPU memory of ``cluster``'s GPU nodes, each read in a task that holds a
+    sliver of one of that node's GPUs (:func:`gnnray.pipeline.pace.gpu_bytes`): the train workers' GPUs, where
+    the driver's node (a CPU head node in the usual cluster) may have none. ``(None, why)`` where no GPU node
+    is up, one did not answer within ``timeout_s`` (its GPUs all held, or a node still starting), or one could
+    not read its GPU."""
+    import ray
+
+    from gnnray.pipeline.pace import gpu_bytes
+
+    gpu_nodes = [n for n in cluster if n.gpus > 0]
+    if not gpu_nodes:
+        return None, "the GPU workers' memory is unknown: no GPU node is up yet"
+    refs, ready, pending = _on_each_node(gpu_nodes, gpu_bytes, timeout_s=timeout_s, num_gpus=0.01)
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    if pending:
+        late = ", ".join(refs[r].address for r in pending)
+        return None, f"the GPU workers' memory is unknown: node(s) {late} did not say within {timeout_s:g} s"
+    sizes = {}
+    for ref in ready:
+        try:
+            sizes[ref] = ray.get(ref)
+        except ray.exceptions.RayError:
+            sizes[ref] = None
+    unread = ", ".join(sorted({refs[r].address for r, b in sizes.items() if b is None}))
+    if unread:
+        return None, f"the GPU workers' memory is unknown: node(s) {unread} could not read their GPU"
+    return min(sizes.values()), ""
 
 
 # The share of a disk's capacity past which a raylet refuses to spill objects there (Ray's

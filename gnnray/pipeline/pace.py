@@ -3,10 +3,16 @@
 Pure rules, so that the plan is testable without a cluster or a GPU:
 
 - :func:`sample_on`: ``--sample-on auto`` on GPU workers picks the train
-  worker's device (:mod:`.device_sampler`) where the worker has a GPU, the
-  graph's CSC fits a share of its memory, and the node's CPU cores per GPU
-  could not sample a batch per step; otherwise the sampler actors. On CPU
-  workers it follows :func:`plan_cpu_node`.
+  worker's device (:mod:`.device_sampler`) where the node's CPU cores per GPU
+  could not sample a batch per step (:func:`keeps_pace`) and the graph's CSC
+  fits a share of the GPU workers' memory, as a GPU node reports it
+  (:func:`gpu_bytes`, run there by the driver); otherwise the sampler actors.
+  The GPU's step is not measured before training: the rule assumes
+  :data:`GPU_STEP_S` and says so. On CPU workers it follows
+  :func:`plan_cpu_node`.
+- :func:`gpu_budget`: one budget of each worker's own GPU, measured in the
+  worker: the device sampler's structure first, the feature placement's share
+  of what is left after it, so that the two never add up past the GPU.
 - :func:`plan_cpu_node`: a CPU node's cores as one budget, ARGO's choice made
   from the measured paces: train workers per node (one per
   :data:`THREADS_AT_MOST` cores: beyond that a worker's step hardly speeds
@@ -16,7 +22,8 @@ Pure rules, so that the plan is testable without a cluster or a GPU:
   cores stalls their OpenMP teams. Otherwise the actors get the cores the
   sampling needs and the workers the rest.
 - :func:`actors_for_pace`: actors = ceil(seeds/s the steps need / one actor's
-  seeds/s), capped by the cores the node can give them.
+  seeds/s), capped by the cores the node can give them: the sampler pool
+  beside GPU workers, where ``--sampler-actors`` is not given.
 
 The paces: sampling is measured by the driver on the run's graph and fanouts
 (:func:`measure`: one core's seconds a batch, and the batch's layer sizes);
@@ -35,8 +42,8 @@ from typing import Optional, Sequence
 # in-degree 50, 48M edges; fanouts 15,10,5, batches of 1024, 484k input nodes a batch): 15,852 measured on a
 # shared 2-core host (docs/performance.md has 19,966 on the 2.4M-node graph).
 SEEDS_PER_CORE = 16_000
-# Steps/s a GPU's step can reach: the step ceiling measured on an H200 at products shape is 3.5 ms; taking
-# 4 ms keeps the rule on the safe side of what any GPU here needs.
+# The GPU step the pace rule assumes (nothing measures the run's own before training): the step ceiling measured
+# on an H200 at products shape is 3.5 ms; taking 4 ms keeps the rule on the safe side of what any GPU here needs.
 GPU_STEP_S = 0.004
 # Share of a GPU's memory the graph's structure may take: the model, its activations and (with
 # --feature-placement) the feature table need the rest.
@@ -51,28 +58,69 @@ THREADS_AT_MOST = 16
 
 
 def sample_on(requested: str, use_gpu: bool, csc_bytes: int, gpu_bytes: Optional[int], cores_per_gpu: float,
-              batch_size: int, seeds_per_core: float = SEEDS_PER_CORE, step_s: float = GPU_STEP_S
-              ) -> tuple[str, str]:
+              batch_size: int, seeds_per_core: float = SEEDS_PER_CORE, step_s: float = GPU_STEP_S,
+              unknown: str = "the GPU workers' memory is unknown") -> tuple[str, str]:
     """``("actors" | "device", why)`` for ``--sample-on requested``.
 
     Args:
         requested: ``auto``, ``actors`` or ``device``.
         use_gpu: Whether the train workers have a GPU (CPU workers are planned by :func:`plan_cpu_node`).
-        csc_bytes: The graph's ``indptr`` + ``indices`` (+ relation codes) bytes.
-        gpu_bytes: One worker's GPU memory, if known; ``None`` (unknown) never picks the device.
+        csc_bytes: What the device sampler holds on the device (:func:`csc_bytes`).
+        gpu_bytes: The GPU workers' smallest GPU memory, if known; ``None`` (unknown) never picks the device.
         cores_per_gpu: CPU cores a GPU node has per GPU, for its sampler actors.
         batch_size: Seeds per batch per worker.
-        seeds_per_core, step_s: One core's sampling pace and the GPU's step time.
+        seeds_per_core, step_s: One core's sampling pace and the GPU's step time (assumed, :data:`GPU_STEP_S`).
+        unknown: Why ``gpu_bytes`` is ``None``, as the plan line says it.
     """
+    from gnnray.errors import size_text
+
     if requested != "auto":
         return requested, "--sample-on " + requested
-    if gpu_bytes is None or csc_bytes > CSC_SHARE * gpu_bytes:
-        return "actors", "the graph's structure does not fit a quarter of the GPU's memory"
-    need = batch_size / step_s
-    if cores_per_gpu * seeds_per_core >= need:
-        return "actors", f"{cores_per_gpu:g} cores per GPU sample {cores_per_gpu * seeds_per_core:,.0f} seeds/s"
-    return "device", (f"{cores_per_gpu:g} cores per GPU sample {cores_per_gpu * seeds_per_core:,.0f} seeds/s, "
-                      f"the GPU's steps need {need:,.0f}")
+    have, need = cores_per_gpu * seeds_per_core, batch_size / step_s
+    pace = (f"{cores_per_gpu:g} cores per GPU sample {have:,.0f} seeds/s, the GPU's steps need {need:,.0f} "
+            f"({step_assumed(step_s)})")
+    if keeps_pace(cores_per_gpu, batch_size, seeds_per_core, step_s):
+        return "actors", pace
+    if gpu_bytes is None:
+        return "actors", f"{pace}; {unknown}"
+    fits = f"{size_text(csc_bytes)} of structure against a GPU's {size_text(gpu_bytes)}"
+    if csc_bytes > CSC_SHARE * gpu_bytes:
+        return "actors", f"{pace}; the graph's structure does not fit a quarter of the GPU's memory ({fits})"
+    return "device", f"{pace}; the graph's structure fits a quarter of the GPU's memory ({fits})"
+
+
+def keeps_pace(cores_per_gpu: float, batch_size: int, seeds_per_core: float = SEEDS_PER_CORE,
+               step_s: float = GPU_STEP_S) -> bool:
+    """Whether a GPU node's cores per GPU sample a batch per GPU step: then the actors serve, and no GPU's memory
+    needs asking."""
+    return cores_per_gpu * seeds_per_core >= batch_size / step_s
+
+
+def step_assumed(step_s: float) -> str:
+    """What the pace rule took for the GPU's step, as the plan line says it: no step is measured before training."""
+    if step_s == GPU_STEP_S:
+        return f"a GPU step assumed {step_s * 1e3:g} ms: the products-shaped step's ceiling on an H200, rounded up"
+    return f"a GPU step assumed {step_s * 1e3:g} ms"
+
+
+def gpu_budget(total: int, free: int, structure: int) -> tuple[int, str]:
+    """``(free bytes the feature placement sizes from, why)`` on a worker's GPU of ``total`` bytes with ``free``
+    free after the model: the device sampler's ``structure`` (0: sampling elsewhere) is reserved first, so the
+    structure and the placement's share of the rest never add up past ``free``.
+
+    Raises:
+        ConfigError: The structure takes more than :data:`CSC_SHARE` of the GPU or more than its free memory.
+    """
+    from gnnray.errors import ConfigError, size_text
+
+    if structure > min(CSC_SHARE * total, free):
+        raise ConfigError(f"--sample-on device: the graph's structure ({size_text(structure)}) does not fit this "
+                          f"worker's GPU (a quarter of its {size_text(total)}, and {size_text(free)} free after the "
+                          f"model): use --sample-on actors")
+    if not structure:
+        return free, f"{size_text(free)} free on the GPU after the model"
+    return free - structure, (f"{size_text(free)} free on the GPU after the model, {size_text(structure)} of it "
+                              f"kept for the graph's structure")
 
 
 def speedup(threads: int) -> float:
@@ -207,17 +255,31 @@ def measure(graph, fanouts, batch_size: int, seed: int = 0, batches: int = 3) ->
 
 
 def csc_bytes(graph) -> int:
-    """What the device sampler holds of ``graph`` on the device: its CSC, labels and relation codes."""
-    return sum(a.nbytes for a in (graph.indptr, graph.indices, graph.label, graph.etype) if a is not None)
+    """What the device sampler holds of ``graph`` on the device: its CSC, labels and relation codes (as int64,
+    which index the fanouts, where the graph has relations)."""
+    codes = 8 * len(graph.etype) if graph.typed and graph.edge_types else 0
+    return sum(a.nbytes for a in (graph.indptr, graph.indices, graph.label)) + codes
 
 
 def gpu_bytes() -> Optional[int]:
-    """This process's first GPU's memory, where it sees one (the driver on a GPU node); ``None`` elsewhere."""
-    import torch
+    """The total memory of this process's first visible GPU (in a Ray task with GPUs, the one Ray gave it), from
+    the CUDA driver: no torch to import, no context made. ``None`` without a driver or GPU.
 
-    if not torch.cuda.is_available():
+    The driver calls it in a task on each GPU node (:func:`gnnray.driver.preflight.gpu_memory`): its own node,
+    a CPU head node in the usual cluster, has no GPU to ask. Not Ray's vendored NVML: private Ray stays in
+    ``ray_internals.py``, and NVML numbers GPUs without ``CUDA_VISIBLE_DEVICES``.
+    """
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
         return None
-    return int(torch.cuda.get_device_properties(0).total_memory)
+    device, size = ctypes.c_int(), ctypes.c_size_t()
+    if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), 0) or \
+            cuda.cuDeviceTotalMem_v2(ctypes.byref(size), device):
+        return None
+    return int(size.value)
 
 
 def check_device_sampling(cfg) -> None:

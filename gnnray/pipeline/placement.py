@@ -9,7 +9,8 @@
 - ``uva``: the table stays in host memory, pinned in place, and the GPU reads
   the rows it needs from there (a Triton kernel over host-mapped memory); the
   most-sampled rows (highest in-degree first) are also kept in a device cache
-  sized from the GPU's free memory. With shards: the node's cache, then its
+  sized from the GPU's free memory (less the structure the device sampler will
+  copy there: :func:`free_for_features`). With shards: the node's cache, then its
   shards' first rows, as far as that budget goes; the host sends the rest. On
   a CPU "device" the same logic runs with plain indexing (what the tests check).
 
@@ -34,6 +35,7 @@ import torch
 
 from gnnray.store.handle import readonly_tensor
 from gnnray.pipeline.feature_reader import FeatureReader, Held, LocalRows, ShardedRows
+from gnnray.pipeline.pace import gpu_budget
 
 # Of the GPU's free memory once the model is there: what a resident table or the UVA cache may take. The rest is
 # for activations, the optimizer's state and the batches in flight.
@@ -144,8 +146,8 @@ def place(asked: str, reader: FeatureReader, device, indptr: np.ndarray,
           free_bytes: Optional[int] = None) -> Optional[DeviceFeatures]:
     """The worker's :class:`DeviceFeatures` for ``asked``, or ``None`` for the host path.
 
-    ``free_bytes``: the device's free memory (default: asked of CUDA, after the model is there); it sizes the
-    ``uva`` cache.
+    ``free_bytes``: the device's free memory (default: asked of CUDA, after the model is there; the worker gives
+    :func:`free_for_features`, less the device sampler's structure); it sizes the table's or the cache's budget.
     """
     device = torch.device(device)
     table = node_table_bytes(reader)
@@ -161,6 +163,20 @@ def place(asked: str, reader: FeatureReader, device, indptr: np.ndarray,
     if isinstance(reader, LocalRows):
         return _place_table(mode, reader, device, indptr, budget)
     return _place_shards(mode, reader, device, budget)
+
+
+def free_for_features(device, structure: int) -> Optional[int]:
+    """The free bytes :func:`place` sizes the features from on ``device``: a GPU's free memory now (with the model)
+    less ``structure``, which the device sampler copies there later (0: batches are sampled elsewhere), so both
+    fit one budget (:func:`gnnray.pipeline.pace.gpu_budget`, which refuses a structure the GPU cannot hold);
+    ``None`` on a CPU, where :func:`place` holds the whole table."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    free, why = gpu_budget(total, free, structure)
+    logger.info("features sized from %s", why)
+    return free
 
 
 def node_table_bytes(reader: FeatureReader) -> int:

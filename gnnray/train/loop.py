@@ -33,7 +33,8 @@ from gnnray.metrics import TrainMetrics
 from gnnray.pipeline.batch import MiniBatch, from_arrow
 from gnnray.pipeline.feature_reader import reader_for
 from gnnray.pipeline.device_sampler import device_batches
-from gnnray.pipeline.placement import place
+from gnnray.pipeline.pace import csc_bytes
+from gnnray.pipeline.placement import free_for_features, place
 from gnnray.pipeline.prefetch import Prefetcher
 from gnnray.pipeline.stream import streams
 from gnnray.pipeline.seeds import SeedPlan, plan_key, rank_rows, steps_per_epoch
@@ -190,8 +191,11 @@ class Rank:
                                      checkpoint.Schedule(cfg.run.checkpoint_interval), setup.run_dir,
                                      plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers))
         self.saves.restarts = begin.restarts
-        # After the model: what a table on the device may take is measured with the model there.
-        self.placed = place(cfg.data.feature_placement, features, device, graph.indptr)
+        # After the model: what a table on the device may take is measured with the model there, and the device
+        # sampler's structure (copied when the batches open) is kept out of it: one budget of this worker's GPU.
+        structure = csc_bytes(graph) if cfg.sampler.sample_on == "device" else 0
+        self.placed = place(cfg.data.feature_placement, features, device, graph.indptr,
+                            free_for_features(device, structure))
         _log_placement(self.placed, rank, setup.run_dir)
         if rank == 0 and setup.run_dir:  # where this run's batches are sampled, as the plan resolved it
             where = "actors" if cfg.sampler.sample_on == "actors" else f"worker ({torch.device(device).type})"

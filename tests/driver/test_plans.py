@@ -287,3 +287,105 @@ def test_num_workers_auto_is_one_per_gpu_or_one_per_16_cores_of_each_cpu_node():
     assert workers(auto, True, False, gpu_nodes).train.num_workers == (12,)
     fixed = parse_args(["--num-workers", "3"])
     assert workers(fixed, False, False, cpu_nodes) is fixed  # the user's choice stands
+
+
+GIB = 2**30
+# The products-shaped step's batch at 20,000 seeds/s a core: 12 cores per GPU cannot keep pace (256,000 seeds/s).
+PACE = 20_000
+
+
+@pytest.fixture
+def gpu_plan(monkeypatch):
+    """plans.sampling against stand-in nodes: the pace fixed at :data:`PACE`, the GPU nodes' memory what the test
+    sets (``asked`` records each probe's nodes), and the driver's own CUDA refused."""
+    import torch
+
+    from gnnray.driver import plans, preflight
+    from gnnray.pipeline import pace
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the driver's own GPU was consulted")
+
+    for name in ("is_available", "device_count", "get_device_properties", "mem_get_info"):
+        monkeypatch.setattr(torch.cuda, name, refused)
+    monkeypatch.setattr(pace, "measured_pace", lambda *a, **k: PACE)
+    state = {"memory": (80 * GIB, ""), "asked": []}
+
+    def gpu_memory(cluster):
+        state["asked"].append(cluster)
+        return state["memory"]
+
+    monkeypatch.setattr(preflight, "gpu_memory", gpu_memory)
+
+    def plan(args, cluster):
+        monkeypatch.setattr(preflight, "nodes", lambda: cluster)
+        return plans.sampling(parse_args(args), _tiny(), True, local=False)
+
+    plan.state = state
+    return plan
+
+
+def _tiny():
+    from conftest import tiny_graph
+
+    return tiny_graph()
+
+
+def test_a_cpu_head_node_plans_gpu_sampling_as_a_gpu_head_node_does(gpu_plan, capsys):
+    gpu_node = _node("g", 12, 1)
+    lines, choices = [], []
+    for cluster in ([_node("head", 8, 0), gpu_node], [gpu_node]):
+        cfg = gpu_plan(["--num-workers", "1", "--sampler-actors", "2"], cluster)
+        choices.append(cfg.sampler.sample_on)
+        lines.append(capsys.readouterr().out)
+    assert choices == ["device", "device"] and lines[0] == lines[1]
+    assert [[n.node_id for n in c if n.gpus] for c in gpu_plan.state["asked"]] == [["g"], ["g"]]
+    assert "a GPU step assumed 4 ms" in lines[0] and "fits a quarter of the GPU's memory" in lines[0]
+    gpu_plan.state["memory"] = (None, "the GPU workers' memory is unknown: node(s) 10.0.0.1 did not say within 30 s")
+    cfg = gpu_plan(["--num-workers", "1", "--sampler-actors", "2"], [_node("head", 8, 0), gpu_node])
+    assert cfg.sampler.sample_on == "actors" and "did not say within 30 s" in capsys.readouterr().out
+
+
+def test_no_gpu_is_asked_where_the_cores_keep_pace_or_actors_are_asked_for(gpu_plan):
+    for args, cluster in ((["--sample-on", "auto"], [_node("g", 96, 2)]),  # 48 cores a GPU sample 960,000 seeds/s
+                          (["--sample-on", "actors"], [_node("g", 12, 1)]),
+                          (["--sampler", "graphbolt"], [_node("g", 12, 1)])):
+        assert gpu_plan(args + ["--sampler-actors", "2"], cluster).sampler.sample_on == "actors"
+    assert gpu_plan.state["asked"] == []
+
+
+def test_the_pool_beside_gpu_workers_keeps_pace_with_their_steps(gpu_plan, capsys):
+    # 8 workers on 96-core nodes of 8 GPUs: 11 cores a GPU beside its worker, fewer than the 13 that 256,000
+    # seeds/s need, so 11 actors a worker.
+    cluster = [_node("head", 8, 0), _node("g1", 96, 8), _node("g2", 96, 8)]
+    cfg = gpu_plan(["--sample-on", "actors", "--num-workers", "16"], cluster)
+    assert cfg.sampler.actors == (1, 11 * 16)
+    assert "--sampler-actors 1,176" in capsys.readouterr().out
+    # Cores to spare: as many as the steps need, ceil(256,000 / 20,000) = 13 a worker.
+    cfg = gpu_plan(["--sample-on", "actors", "--num-workers", "2"], [_node("g", 64, 2)])
+    assert cfg.sampler.actors == (1, 13 * 2)
+    # The user's pool stands.
+    assert gpu_plan(["--sample-on", "actors", "--sampler-actors", "2,4"], cluster).sampler.actors == (2, 4)
+
+
+def test_the_gpu_nodes_are_asked_for_their_gpus_memory(ray_cluster, cluster, monkeypatch, capsys):
+    """A CPU head node and a simulated GPU node: the probe runs on the GPU node, and where it cannot read a GPU
+    (no CUDA driver on this machine) the plan says the memory is unknown and takes the actors."""
+    from gnnray.driver import plans, preflight
+    from gnnray.pipeline import pace
+
+    added = cluster.add_node(num_cpus=1, num_gpus=1)
+    try:
+        cluster.wait_for_nodes()
+        here = preflight.nodes()
+        assert added.node_id in [n.node_id for n in here if n.gpus]
+        memory, why = preflight.gpu_memory(here)
+        if pace.gpu_bytes() is None:  # this machine has no CUDA driver: nor does its simulated GPU node
+            assert memory is None and "could not read their GPU" in why
+        monkeypatch.setattr(pace, "measured_pace", lambda *a, **k: PACE)
+        cfg = plans.sampling(parse_args(["--num-workers", "1", "--sampler-actors", "2"]), _tiny(), True, False)
+        if memory is None:
+            assert cfg.sampler.sample_on == "actors" and "memory is unknown" in capsys.readouterr().out
+    finally:
+        cluster.remove_node(added)
+        cluster.wait_for_nodes()

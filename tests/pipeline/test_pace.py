@@ -7,8 +7,9 @@ import pytest
 from conftest import tiny_graph
 from gnnray.config import parse_args
 from gnnray.errors import ConfigError
-from gnnray.pipeline.pace import (SEEDS_PER_CORE, THREADS_AT_MOST, Paces, actors_for_pace, check_device_sampling,
-                                  csc_bytes, plan_cpu_node, sample_on, speedup, step_gflop)
+from gnnray.pipeline.pace import (CSC_SHARE, SEEDS_PER_CORE, THREADS_AT_MOST, Paces, actors_for_pace,
+                                  check_device_sampling, csc_bytes, gpu_budget, keeps_pace, plan_cpu_node, sample_on,
+                                  speedup, step_gflop)
 
 GIB = 2**30
 
@@ -29,6 +30,63 @@ def test_auto_samples_on_the_gpu_where_the_cores_cannot_keep_pace_and_the_struct
     # The structure takes more than a quarter of the GPU, or the GPU's memory is unknown: actors.
     assert sample_on("auto", True, 30 * GIB, 80 * GIB, 12, 1024)[0] == "actors"
     assert sample_on("auto", True, 1 * GIB, None, 12, 1024)[0] == "actors"
+
+
+def test_the_why_says_the_gpu_step_was_assumed_and_what_the_memory_was():
+    # Nothing measures the GPU's step before training: each auto line says what the rule took for it.
+    for cores in (12, 64):
+        why = sample_on("auto", True, 1 * GIB, 80 * GIB, cores, 1024)[1]
+        assert "a GPU step assumed 4 ms: the products-shaped step's ceiling on an H200" in why
+    assert "a GPU step assumed 10 ms" in sample_on("auto", True, 1 * GIB, 80 * GIB, 1, 1024, step_s=0.01)[1]
+    assert "H200" not in sample_on("auto", True, 1 * GIB, 80 * GIB, 1, 1024, step_s=0.01)[1]
+    where, why = sample_on("auto", True, 1 * GIB, None, 12, 1024, unknown="node 10.0.0.2 did not say within 30 s")
+    assert where == "actors" and why.endswith("; node 10.0.0.2 did not say within 30 s")
+    where, why = sample_on("auto", True, 30 * GIB, 80 * GIB, 12, 1024)
+    assert where == "actors" and "(30.00 GiB of structure against a GPU's 80.00 GiB)" in why
+
+
+def test_keeps_pace_is_the_rule_that_spares_asking_a_gpu():
+    # 12 cores of 20,000 seeds/s against 256,000: the GPU is asked; 16 of them sample 320,000: it is not.
+    assert not keeps_pace(12, 1024, 20_000, 0.004) and keeps_pace(16, 1024, 20_000, 0.004)
+    assert sample_on("auto", True, 1 * GIB, None, 16, 1024, seeds_per_core=20_000)[0] == "actors"
+
+
+@pytest.mark.parametrize("total", [16 * GIB, 80 * GIB, 141 * GIB])
+@pytest.mark.parametrize("used", [0.0, 0.3, 0.7])
+@pytest.mark.parametrize("share", [0.0, 0.1, CSC_SHARE])
+def test_the_structure_and_the_features_share_one_budget_of_the_gpu(total, used, share):
+    from gnnray.pipeline.placement import DEVICE_SHARE
+
+    free, structure = int(total * (1 - used)), int(share * total)
+    if structure > free:
+        return
+    placement_free, why = gpu_budget(total, free, structure)
+    assert structure + DEVICE_SHARE * placement_free <= free  # what placement takes beside the structure
+    assert placement_free == free - structure and "free on the GPU after the model" in why
+    assert ("kept for the graph's structure" in why) == bool(structure)
+
+
+@pytest.mark.parametrize("total, free, structure", [
+    (80 * GIB, 70 * GIB, 21 * GIB),  # more than a quarter of the GPU
+    (80 * GIB, 10 * GIB, 12 * GIB),  # more than is free after the model
+])
+def test_a_structure_the_workers_gpu_cannot_hold_is_refused_in_one_line(total, free, structure):
+    with pytest.raises(ConfigError, match="use --sample-on actors") as e:
+        gpu_budget(total, free, structure)
+    text = str(e.value)
+    assert "\n" not in text and f"{structure / GIB:.2f} GiB" in text and f"{total / GIB:.2f} GiB" in text
+
+
+def test_the_gpu_probe_imports_no_torch():
+    """It runs in a task on each GPU node for the driver's plan: loading torch there would cost seconds."""
+    import subprocess
+    import sys
+
+    code = "import sys; from gnnray.pipeline.pace import gpu_bytes; b = gpu_bytes(); print('torch' in sys.modules, b)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported, size = out.stdout.split()
+    assert imported == "False", out.stderr
+    assert size == "None" or int(size) > 2**30  # no CUDA driver here, or a GPU's memory
 
 
 @pytest.mark.parametrize("step_s, batch, cores, want", [
@@ -58,6 +116,17 @@ def test_measured_pace_is_seeds_per_cpu_second_of_the_native_sampler():
 def test_csc_bytes_counts_the_structure_and_labels():
     g = tiny_graph()
     assert csc_bytes(g) == g.indptr.nbytes + g.indices.nbytes + g.label.nbytes
+
+
+def test_csc_bytes_counts_relation_codes_as_the_device_holds_them():
+    """The device sampler holds a typed graph's codes as int64 (they index the fanouts), 8 bytes an edge."""
+    import dataclasses
+
+    import numpy as np
+
+    g = tiny_graph()
+    typed = dataclasses.replace(g, etype=np.zeros(len(g.indices), np.int8), edge_types=(("n", "r", "n"),))
+    assert csc_bytes(typed) == csc_bytes(g) + 8 * len(g.indices)
 
 
 @pytest.mark.parametrize("extra, says", [

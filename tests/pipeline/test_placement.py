@@ -320,3 +320,19 @@ def test_learnable_embeddings_ride_along_on_every_placement():
     assert len(xs["host"]) == len(rows) and xs["host"][0].shape[1] == table.shape[1] + 4
     for mode in ("device", "uva"):
         assert all(torch.equal(a, b) for a, b in zip(xs["host"], xs[mode])), mode
+
+
+def test_a_worker_sizes_its_features_from_what_the_device_samplers_structure_leaves(monkeypatch):
+    """One budget of the worker's GPU: free memory after the model, less the structure --sample-on device copies
+    there when the batches open; a structure the GPU cannot hold is refused before anything is placed."""
+    from gnnray.errors import ConfigError
+    from gnnray.pipeline.placement import free_for_features
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * gib, 80 * gib))
+    gpu = torch.device("cuda", 0)
+    assert free_for_features(gpu, 0) == 60 * gib
+    assert free_for_features(gpu, 15 * gib) == 45 * gib
+    with pytest.raises(ConfigError, match="use --sample-on actors"):
+        free_for_features(gpu, 25 * gib)  # more than a quarter of the GPU
+    assert free_for_features(torch.device("cpu"), 15 * gib) is None  # place() holds the whole table on a CPU
