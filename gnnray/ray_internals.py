@@ -40,13 +40,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def start_train_singletons() -> None:
+def start_train_singletons(coordinator: bool = True) -> None:
     """Start the cluster-wide actors Ray Train's controller waits for, if not running yet; do not wait.
 
     On a new cluster the controller would start each in turn (a process of
     its own, seconds each) before it starts the workers; started here, they
     start while the controller does. Each is Ray's own get-or-create of a
-    named detached actor, so the controller finds them.
+    named detached actor, so the controller finds them. ``coordinator``:
+    also Ray Data's autoscaling coordinator (a run of :func:`lean_trainer`
+    on a cluster this process started asks it nothing, and has no stream
+    that would).
     """
     from ray._private.ray_constants import env_bool
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
@@ -55,7 +58,8 @@ def start_train_singletons() -> None:
     from ray.train.constants import RAY_TRAIN_ENABLE_STATE_TRACKING
     from ray.train.v2._internal.state.state_actor import get_or_create_state_actor
 
-    get_or_create_autoscaling_coordinator()
+    if coordinator:
+        get_or_create_autoscaling_coordinator()
     if env_bool(RAY_TRAIN_ENABLE_STATE_TRACKING, False):  # as Ray Train's trainers decide it
         get_or_create_state_actor()
 
@@ -166,16 +170,34 @@ def lean_trainer(local: bool):
     first step, on 2 cores): the dataset manager, which Ray Train starts even when it is given no dataset (a
     fixed run whose workers sample their own rows has none), and on a cluster this process started (``local``)
     the placement-group cleaner, which removes the workers' placement group should the controller die while the
-    cluster lives on: a local cluster ends with this process.
+    cluster lives on: a local cluster ends with this process. There a fixed worker group also asks no
+    autoscaler for its resources (Ray Data's autoscaling coordinator, which forwards the request): the cluster
+    has none.
     """
     from ray.train.v2._internal.callbacks import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    class FixedOnLocalCluster(FixedScalingPolicy):
+        def after_controller_start(self, train_run_context) -> None:  # no coordinator client: nothing is sent
+            self._requester_id = f"train-{train_run_context.run_id}"
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
+
+        def _send_resource_request(self) -> None:
+            pass
 
     class LeanTrainer(DataParallelTrainer):
         def _create_default_callbacks(self):
             unneeded = (() if self.datasets else (DatasetsCallback,)) + (
                 (PlacementGroupCleanerCallback,) if local else ())
             return [c for c in super()._create_default_callbacks() if not isinstance(c, unneeded)]
+
+        def _initialize_and_run_controller(self, **kwargs):
+            if local and type(kwargs.get("scaling_policy")) is FixedScalingPolicy:
+                kwargs["scaling_policy"] = FixedOnLocalCluster(self.scaling_config)
+            return super()._initialize_and_run_controller(**kwargs)
 
     return LeanTrainer

@@ -34,11 +34,17 @@ def stack_mismatch(e: BaseException) -> str:
     differs from the driver's), or ``""``: restarting would only meet that node again."""
     from gnnray.stack import StackError
 
+    return rank_error(e, StackError)
+
+
+def rank_error(e: BaseException, kind: type) -> str:
+    """The message of a rank's ``kind`` error among ``e``'s failures (raised there, or named in a wrapped
+    error's text), or ``""``."""
     for err in (getattr(e, "worker_failures", None) or {}).values():
-        found = err if isinstance(err, StackError) else getattr(err, "cause", None)
-        if isinstance(found, StackError):
+        found = err if isinstance(err, kind) else getattr(err, "cause", None)
+        if isinstance(found, kind):
             return str(found)
-        marker = f"{StackError.__name__}: "
+        marker = f"{kind.__name__}: "
         line = next((l for l in str(err).splitlines() if marker in l), "")
         if line:
             return line.split(marker, 1)[1].strip()

@@ -16,7 +16,7 @@ from gnnray.data.graph import Graph
 from gnnray.data.load import check_dataset
 from gnnray.store.handle import GraphHandle
 from gnnray.driver import connect, launch, plans, preflight
-from gnnray.driver.failures import one_line, stack_mismatch
+from gnnray.driver.failures import one_line, rank_error, stack_mismatch
 from gnnray.errors import CheckpointError, ClusterError, ConfigError
 
 # torch, Ray Train and what imports them (the console too, through gnnray.train.report) are imported where
@@ -118,13 +118,13 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
         setup = WorkerSetup(cfg, pub.handle, first_epoch, latest.path if latest else None, restarts, run_dir,
                             model_factory, owners, cpu, first_step, stack.versions(cfg.sampler.backend))
         if cfg.train.elastic:  # Ray Train resizes and restarts it, all within one fit
-            with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers), _no_other_stack():
+            with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers), _not_restarted():
                 _fit_elastic(cfg, setup, graph, use_gpu, pub.local)
             latest, _ = checkpoint.latest_valid(run_dir)
             return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory),
                             int(latest.metrics.get("restarts", 0)))
         try:
-            with console.EpochPrinter(run_dir, cfg.train.epochs), _no_other_stack():
+            with console.EpochPrinter(run_dir, cfg.train.epochs), _not_restarted():
                 _fit(cfg, setup, graph, use_gpu, pub.local)
         except ray.train.TrainingFailedError as e:
             if restarts >= cfg.run.max_failures:
@@ -141,9 +141,10 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
 
 
 @contextlib.contextmanager
-def _no_other_stack():
-    """A failure because a rank's node has another stack than the driver's is a :class:`ClusterError`, said in one
-    line and not restarted: every restart would place a rank there again."""
+def _not_restarted():
+    """Failures a restart would only meet again, said in one line and not restarted: a rank's node with another
+    stack than the driver's (a :class:`ClusterError`: every restart would place a rank there again), and an
+    option a rank's own machine cannot serve (its :class:`ConfigError`, e.g. a structure its GPU cannot hold)."""
     import ray.train
 
     try:
@@ -152,6 +153,9 @@ def _no_other_stack():
         line = stack_mismatch(e)
         if line:
             raise ClusterError(line) from None
+        line = rank_error(e, ConfigError)
+        if line:
+            raise ConfigError(line) from None
         raise
 
 
@@ -197,7 +201,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     from gnnray.pipeline.stream import execution_options, minibatch_stream, streams
     from gnnray.train.loop import train_loop
 
-    ray_internals.start_train_singletons()
+    ray_internals.start_train_singletons(coordinator=not local or streams(cfg))
     if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     workers = cfg.train.workers_max

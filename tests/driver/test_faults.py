@@ -157,6 +157,37 @@ def test_exception_on_one_rank_ends_the_run(ray_cluster, tmp_path):
     assert not logged(tmp_path, "d11")
 
 
+class _RefusedOnRank1(torch.nn.Module):
+    """A linear model that rank 1's machine refuses as it is built, as a worker refuses an option it cannot serve
+    (a structure its GPU cannot hold)."""
+
+    def __init__(self, in_feats: int, num_classes: int):
+        import ray.train
+
+        from gnnray.errors import ConfigError
+
+        super().__init__()
+        if ray.train.get_context().get_world_rank() == 1:
+            raise ConfigError("drill 11b: rank 1's machine cannot serve this option")
+        self.fc = torch.nn.Linear(in_feats, num_classes)
+
+    def forward(self, blocks, x):
+        return self.fc(x[: blocks[-1].num_dst])
+
+
+def test_an_option_a_rank_refuses_ends_the_run_in_one_line_without_restarts(ray_cluster, tmp_path):
+    """A rank's ConfigError is the driver's bad-input error, raised after the first attempt: every restart would
+    meet it again."""
+    from gnnray.errors import ConfigError
+
+    job = JobThread(SMALL + ["--epochs", "1", "--max-failures", "2", "--storage-path", str(tmp_path), "--name", "d11b"],
+                    model_factory=lambda f, c, _cfg: _RefusedOnRank1(f, c))
+    job.join()
+    assert isinstance(job.error, ConfigError), repr(job.error)
+    assert str(job.error) == "drill 11b: rank 1's machine cannot serve this option"  # not after 3 attempts: then
+    # the driver would raise Ray Train's TrainingFailedError
+
+
 def test_private_memory_flat_over_epochs(resumed_run):
     """Drill 12: over 8 epochs the train workers' private memory (``worker_uss_mb``) does not keep growing.
 

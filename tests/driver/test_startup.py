@@ -89,3 +89,38 @@ def test_the_trainer_starts_only_the_controller_callbacks_the_run_needs(ray_clus
     kinds = {type(c) for c in trainer._create_default_callbacks()}
     assert (DatasetsCallback in kinds) == datasets
     assert (PlacementGroupCleanerCallback in kinds) == (not local)
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_fixed_run_asks_an_autoscaler_for_its_workers_only_on_a_cluster_it_did_not_start(ray_cluster, tmp_path,
+                                                                                           monkeypatch, local):
+    """A cluster this process started has no autoscaler: its fixed worker group sends no resource request, and
+    Ray Data's autoscaling coordinator (one more process importing Ray Data) is never asked for."""
+    import types
+
+    import ray.train
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy, ResizeDecision
+    from ray.train.v2._internal.execution.scaling_policy import autoscaling_coordinator_client as client
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from gnnray import ray_internals
+
+    asked = []
+
+    def no_coordinator():  # Ray Train logs a failed request and goes on
+        asked.append(True)
+        raise LookupError("the autoscaling coordinator was asked for")
+
+    monkeypatch.setattr(client, "get_or_create_autoscaling_coordinator", no_coordinator)
+    given = {}
+    monkeypatch.setattr(DataParallelTrainer, "_initialize_and_run_controller", lambda self, **kw: given.update(kw))
+    scaling = ray.train.ScalingConfig(num_workers=2)
+    trainer = ray_internals.lean_trainer(local)(
+        lambda: None, scaling_config=scaling, run_config=ray.train.RunConfig(name="lean", storage_path=str(tmp_path)))
+    trainer._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(scaling))
+    policy = given["scaling_policy"]
+    policy.after_controller_start(types.SimpleNamespace(run_id="r1"))
+    decision = policy.make_decision_for_non_running_worker_group()
+    policy.before_controller_abort()
+    assert isinstance(decision, ResizeDecision) and decision.num_workers == 2
+    assert bool(asked) == (not local)
