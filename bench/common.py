@@ -40,7 +40,7 @@ class Settings:
     # Figure 2: batches consumed per configuration, and how many to skip first.
     sampler_batches: int = 400
     sampler_warmup: int = 32  # several calls of the actor (a call samples one seed block: 16 rows or fewer,
-    # as --max-ahead makes them; see gnnray.pipeline.stream)
+    # as --max-ahead makes them; see gnnray.driver.stream)
     sampler_rounds: int = 3  # pipeline runs of 1 actor, each between two plain loops of each baseline
     epochs: int = 4  # a job's epochs (steady: all but the first and the last, see training.steady)
     workers: int = 1  # Ray Train workers; they share the cores (see trainer_cpus)
@@ -97,7 +97,7 @@ def job_config(data: DataConfig, s: Settings, workdir: Path, name: str = "bench"
 
 def metrics_log(cfg: JobConfig) -> Path:
     """The run's ``metrics.jsonl``: rank 0 appends one JSON line per epoch (runs under a local storage path)."""
-    from gnnray.storage import METRICS_LOG
+    from gnnray.run_storage import METRICS_LOG
 
     return Path(cfg.run.storage_path) / cfg.run.name / METRICS_LOG
 
@@ -173,7 +173,7 @@ def _dgl():
     """DGL where this environment has the dgl extra, else ``None`` (it cannot load beside a current torch)."""
     if importlib.util.find_spec("dgl") is None:
         return None
-    from gnnray.pipeline.graphbolt import import_dgl
+    from gnnray.sampler.graphbolt import import_dgl
 
     return import_dgl()
 

@@ -48,10 +48,10 @@ class DglLoop:
     def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int, affinity: bool = False):
         import torch
 
+        from gnnray.sampler.graphbolt import to_dgl
         from gnnray.store.handle import readonly_tensor
-        from gnnray.pipeline.graphbolt import to_dgl
         from bench.dgl_models import DGLModel
-        from gnnray.train.model import model_for
+        from gnnray.models.model import model_for
 
         self._graph, self._cfg, self._workers, self._affinity = graph, cfg, loader_workers, affinity
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

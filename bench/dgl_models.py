@@ -1,6 +1,6 @@
 """DGL's modules: the test oracle of the torch models, and the DGL baselines' models (bench/dgl_loop.py).
 
-The train worker imports no DGL (gnnray/train/conv.py); these build what it
+The train worker imports no DGL (gnnray/models/conv.py); these build what it
 replaced, from the same layers and weights, so tests can compare the numbers.
 """
 
@@ -11,8 +11,8 @@ import torch
 from dgl.nn import GATConv, GraphConv, SAGEConv
 from torch import nn
 
-from gnnray.pipeline.batch import Layer
-from gnnray.train import model as ours
+from gnnray.batch import Layer
+from gnnray.models import model as ours
 
 
 def block(layer: Layer):

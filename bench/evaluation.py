@@ -6,7 +6,7 @@ On a local Ray cluster, in this process as one train worker would: the
 :class:`~gnnray.train.evaluate.Evaluator` over the validation split (its
 sampler actor samples, the worker gathers and computes), and, for the same
 model, training batches of ``--batch-size`` seeds: GraphBolt sampling
-(:class:`~gnnray.pipeline.sampler.Sampler`), the feature gather and the
+(:class:`~gnnray.sampler.sampler.Sampler`), the feature gather and the
 training-mode forward. Prints one JSON line: seconds per 1,000 seeds of each,
 medians of ``--repeats``.
 """
@@ -27,11 +27,11 @@ def main(argv=None) -> int:
 
     from gnnray.config import DataConfig, JobConfig, ModelConfig, SamplerConfig, TrainConfig
     from gnnray.data.load import load_graph
+    from gnnray.models.model import model_for
+    from gnnray.sampler.sampler import Sampler
     from gnnray.store.handle import publish
-    from gnnray.pipeline.prefetch import HostSlot
-    from gnnray.pipeline.sampler import Sampler
     from gnnray.train.evaluate import Evaluator
-    from gnnray.train.model import model_for
+    from gnnray.train.prefetch import HostSlot
 
     p = argparse.ArgumentParser(prog="python -m bench.evaluation", description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="../shared/datasets/arxiv-structure")

@@ -62,10 +62,10 @@ def dgl_convs(model, sizes: list[int]):
 def main(argv=None) -> int:
     from gnnray.config import DataConfig
     from gnnray.data.load import load_graph
-    from gnnray.pipeline.graphbolt import to_dgl
-    from gnnray.pipeline.feature_reader import LocalRows
+    from gnnray.models.model import build_model
+    from gnnray.sampler.graphbolt import to_dgl
+    from gnnray.train.feature_reader import LocalRows
     from gnnray.train.layerwise import infer
-    from gnnray.train.model import build_model
 
     p = argparse.ArgumentParser(prog="python -m bench.inference", description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="../shared/datasets/arxiv-structure")

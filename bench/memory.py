@@ -35,8 +35,8 @@ class MemoryProbe:
 
     def __init__(self):
         from gnnray.data.synthetic import make_synthetic
-        from gnnray.pipeline.prefetch import HostSlot
-        from gnnray.pipeline.sampler import Sampler
+        from gnnray.sampler.sampler import Sampler
+        from gnnray.train.prefetch import HostSlot
 
         tiny = make_synthetic(50, 2, 4, 8, seed=0)
         mb = Sampler(tiny, (3, 3)).sample(tiny.train_idx[:8])
@@ -62,8 +62,8 @@ class MemoryProbe:
         feature buffer, whose size (MiB, returned) is the same however the
         graph is held.
         """
-        from gnnray.pipeline.prefetch import HostSlot
-        from gnnray.pipeline.sampler import Sampler
+        from gnnray.sampler.sampler import Sampler
+        from gnnray.train.prefetch import HostSlot
 
         graph = handle.get()
         if copy:

@@ -1,4 +1,4 @@
-"""Forward + backward per arxiv-sized batch: the torch models (gnnray/train/conv.py) against DGL's modules.
+"""Forward + backward per arxiv-sized batch: the torch models (gnnray/models/conv.py) against DGL's modules.
 
 ``python -m bench.models [--repeats N] [--threads T] [--json PATH]``. One
 batch's layers (3 layers, fanouts 10,10,10, 1024 seeds) are sampled from the
@@ -44,7 +44,7 @@ def sample_layers(shape: str = "arxiv") -> tuple[list, str]:
         return random_layers(PRODUCTS["layers"], PRODUCTS["fanouts"], full=True), "synthetic, products-shaped"
     if DEFAULT_DATASET.is_dir():
         from gnnray.data.load import load_graph
-        from gnnray.pipeline.sampler import Sampler
+        from gnnray.sampler.sampler import Sampler
 
         graph = load_graph(base_data_config(None), 0)
         seeds = np.random.default_rng(0).permutation(graph.train_idx)[:BATCH]
@@ -55,7 +55,7 @@ def sample_layers(shape: str = "arxiv") -> tuple[list, str]:
 def random_layers(sizes, fanouts, full: bool = False) -> list:
     """Layers of the given (sources, destinations), input layer first, each destination with up to its fanout of
     random sources (with ``full``, all of it: products' nodes have 50 in-edges on average)."""
-    from gnnray.pipeline.batch import Layer
+    from gnnray.batch import Layer
 
     g, layers = torch.Generator().manual_seed(0), []
     for (num_src, num_dst), fanout in zip(sizes, fanouts):
@@ -67,7 +67,7 @@ def random_layers(sizes, fanouts, full: bool = False) -> list:
 
 def measure(names, repeats: int, warmup: int = 2, shape: str = "arxiv") -> dict:
     from bench.common import _dgl
-    from gnnray.train.model import build_model
+    from gnnray.models.model import build_model
 
     with_dgl = _dgl() is not None  # DGL's modules only where the dgl extra is installed (torch 2.2.1)
     if with_dgl:

@@ -129,9 +129,9 @@ def run_one(data, cache: float, beside: bool, workdir: Path, hidden: int) -> dic
 _PLACE = """
 import resource, sys
 import numpy as np, torch
-from gnnray.pipeline import placement
-from gnnray.pipeline.feature_reader import LocalRows
 from gnnray.store.shards import cache_ids
+from gnnray.train import placement
+from gnnray.train.feature_reader import LocalRows
 
 table = np.load(sys.argv[1], mmap_mode="r")
 table.sum(axis=0)  # the store's pages, mapped and read before the baseline
@@ -158,7 +158,7 @@ def host_memory(table_mib: int, workers: int) -> dict:
 
     import numpy as np
 
-    from gnnray.pipeline.placement import PIECE_BYTES
+    from gnnray.train.placement import PIECE_BYTES
 
     out = {}
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:

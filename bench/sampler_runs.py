@@ -15,7 +15,7 @@ from gnnray.data.graph import Graph
 
 def same_seed_batches(train_idx: np.ndarray, s: Settings, rows: int) -> tuple[list, int]:
     """The first ``rows`` seed batches of the job's ``SeedPlan`` with one worker, and the epochs they span."""
-    from gnnray.pipeline.seeds import SeedPlan
+    from gnnray.seeds import SeedPlan
 
     plan = SeedPlan.for_run(train_idx, s.batch_size, 1, s.seed)
     epochs = math.ceil(rows / plan.rows_per_epoch)
@@ -28,7 +28,7 @@ def plain_sampling(graph: Graph, fanouts: tuple, batches: list, warmup: int, bar
     With ``barrier`` (a :class:`Barrier` actor), the timed part starts when
     every process has warmed up, so that they run at once.
     """
-    from gnnray.pipeline.sampler import Sampler
+    from gnnray.sampler.sampler import Sampler
 
     with threads(1):
         sampler = Sampler(graph, fanouts)
@@ -82,7 +82,7 @@ class StampedSamplerActor:
     """
 
     def __init__(self, graph, fanouts, plan, run: str = "gnnray", cpu=None):
-        from gnnray.pipeline.sampler import SamplerActor
+        from gnnray.sampler.sampler import SamplerActor
 
         self._actor = SamplerActor(graph, fanouts, plan, run, cpu)
 
@@ -96,8 +96,8 @@ class StampedSamplerActor:
 
 
 def stamped_stream(cfg, handle, plan):
-    """The job's stream (:func:`gnnray.pipeline.stream.minibatch_stream`, read-ahead bound included) of stamped actors."""
-    from gnnray.pipeline.stream import minibatch_stream
+    """The job's stream (:func:`gnnray.driver.stream.minibatch_stream`, read-ahead bound included) of stamped actors."""
+    from gnnray.driver.stream import minibatch_stream
 
     return minibatch_stream(cfg, handle, plan, 0, actor_cls=StampedSamplerActor)
 
@@ -145,10 +145,10 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
     """
     import dataclasses
 
+    from gnnray.batch import MiniBatch, from_arrow
     from gnnray.config import DataConfig
+    from gnnray.seeds import SeedPlan
     from gnnray.store.handle import readonly_tensor
-    from gnnray.pipeline.batch import MiniBatch, from_arrow
-    from gnnray.pipeline.seeds import SeedPlan
 
     # Only the stream is built from it: no run, so no data and no storage.
     cfg = job_config(DataConfig(), dataclasses.replace(s, workers=1, samplers=k, epochs=epochs), REPO,

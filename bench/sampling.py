@@ -8,7 +8,7 @@ batch by batch (the order alternates), so machine load hits both alike. Each
 figure is the median over the batches; the ratio is ours over GraphBolt's
 seeds/s (above 1: ours is faster). The baseline is what the landed sampler
 did per layer: GraphBolt's pick (``_sample_neighbors``) plus pandas'
-``factorize`` to number the sources, :class:`gnnray.pipeline.graphbolt.GraphBoltSampler`.
+``factorize`` to number the sources, :class:`gnnray.sampler.graphbolt.GraphBoltSampler`.
 
 Graphs:
 
@@ -44,7 +44,7 @@ BATCH = 1024
 
 def has_dgl() -> bool:
     try:
-        from gnnray.pipeline.graphbolt import import_dgl
+        from gnnray.sampler.graphbolt import import_dgl
 
         import_dgl()
         return True
@@ -72,13 +72,13 @@ def side_by_side(samplers: dict, batches: list, warmup: int) -> dict:
 def samplers_for(graph: Graph, fanouts: tuple, threads: int, graphbolt: bool) -> dict:
     import torch
 
-    from gnnray.pipeline.sampler import Sampler
+    from gnnray.sampler.sampler import Sampler
 
     torch.set_num_threads(threads)
     ours = Sampler(graph, fanouts, seed=0, threads=threads)
     out = {"gnnray": lambda seeds, i: ours.sample(seeds, epoch=0, batch=i)}
     if graphbolt:
-        from gnnray.pipeline.graphbolt import GraphBoltSampler
+        from gnnray.sampler.graphbolt import GraphBoltSampler
 
         gb = GraphBoltSampler(graph, fanouts, threads)  # sets torch's and DGL's threads
         out["graphbolt"] = lambda seeds, i: gb.sample(seeds, epoch=0)
@@ -106,7 +106,7 @@ def graphs(arxiv: str, products: bool) -> list[tuple[str, Graph, tuple, np.ndarr
 
 def compile_times() -> dict:
     """Seconds for a new process to compile the kernels into an empty cache, then to load them from it."""
-    code = ("import time, numpy as np; t = time.perf_counter(); from gnnray.pipeline.pick import warm_up; "
+    code = ("import time, numpy as np; t = time.perf_counter(); from gnnray.sampler.pick import warm_up; "
             "i = time.perf_counter(); warm_up(np.int32, np.int32); print(i - t, time.perf_counter() - i)")
     out = {}
     with tempfile.TemporaryDirectory() as cache:

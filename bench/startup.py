@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "jobs" / "train_arxiv.py"
 DEFAULT_OPTIONS = ["--dataset", "synthetic", "--epochs", "1", "--num-workers", "1", "--sampler-actors", "1",
                    "--eval", "sampled"]
-PROGRESS_FILE = ".progress"  # gnnray.storage.PROGRESS_FILE, read here without importing gnnray
+PROGRESS_FILE = ".progress"  # gnnray.run_storage.PROGRESS_FILE, read here without importing gnnray
 
 # Milestones in the order a run normally reaches them, with what each one means.
 MILESTONES = {

@@ -47,12 +47,12 @@ def _measure(kind: str, location: str, rows: int, dim: int, background: bool = F
     import numpy as np
     import pyarrow.fs  # loaded in any process that runs a job: Ray's own imports load it
 
-    from gnnray import storage
+    from gnnray import run_storage
     from gnnray.train import checkpoint
 
     if background:
-        storage._filesystem = lambda root: pyarrow.fs.FileSystem.from_uri(root)
-    storage.size(storage.join(location, "warm-up"))  # the filesystem made and connected before the clock starts
+        run_storage._filesystem = lambda root: pyarrow.fs.FileSystem.from_uri(root)
+    run_storage.size(run_storage.join(location, "warm-up"))  # the filesystem made and connected before the clock starts
 
     def peak_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -70,7 +70,7 @@ def _measure(kind: str, location: str, rows: int, dim: int, background: bool = F
                 "file_mib": sum(entry["bytes"].values()) / 2**20}
     model_meta = {"embedding": {"num_nodes": rows, "dim": dim, "shards": [
         {"lo": 0, "hi": rows, "dir": f"embedding/rows-{0:012d}-{rows:012d}"}]}}
-    storage.write_bytes(storage.join(location, checkpoint.META_FILE), json.dumps(model_meta).encode())
+    run_storage.write_bytes(run_storage.join(location, checkpoint.META_FILE), json.dumps(model_meta).encode())
     before, start = peak_mib(), time.perf_counter()
     got = checkpoint.read_rows(location, rows // 3, 2 * rows // 3)
     seconds = time.perf_counter() - start
@@ -122,7 +122,7 @@ def main(argv=None) -> None:
     p.add_argument("--requests", action="store_true", help="count the requests of a whole run instead")
     a = p.parse_args(argv)
     sys.path.insert(0, str(REPO / "tests"))
-    from gnnray import storage
+    from gnnray import run_storage
     from s3_server import start_for_session
 
     server = start_for_session()  # its endpoint and credentials in this process's environment, and the runs'
@@ -144,7 +144,7 @@ def main(argv=None) -> None:
                     for kind in ("write",) if where == "s3-bg" else ("write", "read"):
                         results.setdefault((where, kind), []).append(
                             _in_fresh_process(kind, location, a.rows, a.dim, env, where == "s3-bg"))
-                    fs, path = storage.resolve(location)
+                    fs, path = run_storage.resolve(location)
                     fs.delete_dir(path)  # moto's server holds its objects in memory
     finally:
         server.stop()

@@ -40,7 +40,7 @@ def recording_model(path: str, in_feats: int, num_classes: int, cfg: JobConfig):
     """The job's default model; first writes the train worker's thread settings to ``path``."""
     import torch
 
-    from gnnray.train.model import model_for
+    from gnnray.models.model import model_for
 
     dgl = _dgl()  # only in the dgl extra's environment
     with open(path, "w") as f:

@@ -14,7 +14,7 @@ machine has. So the job decides for itself, from the node's real cores:
   (DGL's and PyG's ``enable_cpu_affinity`` do the same for their loops). A
   GPU worker needs few threads: its compute is on the device.
 - **Sampler actors** sample on their ``num_cpus`` threads (the sampler's own,
-  :class:`gnnray.pipeline.pick.Threads`), one niceness level set below the
+  :class:`gnnray.sampler.pick.Threads`), one niceness level set below the
   train workers (nice +4 on Ray's 15), so on a shared node the kernel gives
   contended cores to the step that everything waits for.
 - **Every process** of the job waits passively in OpenMP (``OMP_WAIT_POLICY``),
@@ -286,7 +286,7 @@ class CpuPolicy:
 def set_threads(n: int) -> None:
     """Set torch's thread pool (its OpenMP runtime) to ``n`` threads.
 
-    The sampler's own threads are its own (:class:`gnnray.pipeline.pick.Threads`), sized by its actor's CPUs.
+    The sampler's own threads are its own (:class:`gnnray.sampler.pick.Threads`), sized by its actor's CPUs.
     """
     import torch
 

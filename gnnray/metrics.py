@@ -102,7 +102,7 @@ class TrainMetrics:
             self._m["seeds"].inc(int(seeds))
 
     def features(self, fetched) -> dict:
-        """Record an epoch's sharded-feature traffic (a :class:`~gnnray.pipeline.feature_reader.FetchStats`); return
+        """Record an epoch's sharded-feature traffic (a :class:`~gnnray.train.feature_reader.FetchStats`); return
         its per-batch figures for the metrics line."""
         for key, value in (("remote_bytes", fetched.remote_bytes), ("remote_rows", fetched.remote_rows),
                            ("cached_rows", fetched.cached_rows)):

@@ -6,7 +6,7 @@ Each was read from Ray 2.60.0, the version :data:`gnnray.stack.RAY` pins and eve
 
 Imports are lazy: importing this module costs nothing, and each function loads only what it uses. The
 base classes gnnray subclasses (Ray Data's backpressure policy and execution callback in
-``pipeline/read_ahead.py``) and Ray Train's framework names (``train/process_group.py``) come as this module's
+``driver/read_ahead.py``) and Ray Train's framework names (``train/process_group.py``) come as this module's
 attributes, loaded on first use.
 """
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 
 from gnnray.driver.cli import exit_now  # noqa: E402
-from gnnray.driver.predict import main  # noqa: E402
+from gnnray.driver.predict_job import main  # noqa: E402
 
 if __name__ == "__main__":
     exit_now(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gnnray.pipeline.batch import Layer
+from gnnray.batch import Layer
 
 
 def mean_sage(in_feats: int, hidden: int, num_classes: int, num_layers: int = 2) -> torch.nn.Module:

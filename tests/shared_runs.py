@@ -102,7 +102,7 @@ def script_run(ray_cluster, tmp_path_factory) -> ScriptRun:
     cluster, scraped while it runs. Its run directory may be resumed (tests/test_job.py) once this returned."""
     from gnnray.config import parse_args
     from gnnray.data.load import load_graph
-    from gnnray.pipeline.seeds import steps_per_epoch
+    from gnnray.seeds import steps_per_epoch
 
     name = f"syn-{uuid.uuid4().hex[:8]}"  # metrics are labelled by run name
     storage = tmp_path_factory.mktemp("script")

@@ -20,7 +20,7 @@ RUN = ("import runpy, sys; sys.modules['ray'] = None; sys.modules['dgl'] = None;
 
 
 def test_gpu_bench_smoke_runs_every_row(tmp_path):
-    from gnnray.train.model import MODELS
+    from gnnray.models.model import MODELS
 
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, "-c", RUN, "--smoke", "--json", str(out)], capture_output=True,

@@ -14,7 +14,7 @@ from gnnray.cpus import CpuPlan, node_cpus
 from gnnray.driver.cli import main
 from gnnray.driver.fit import run
 from gnnray.driver.preflight import spill_disk
-from gnnray.storage import METRICS_LOG
+from gnnray.run_storage import METRICS_LOG
 from shared_runs import SYNTHETIC
 
 
@@ -82,8 +82,8 @@ def test_uneven_split_and_user_model(ray_cluster, tmp_path):
 
 def test_sampling_on_the_device_trains_as_the_actors_do(cora_run, tmp_path, capsys):
     """``--sample-on device --feature-placement device`` with the CPU as the device: no sampler actors, each
-    worker samples its seed rows itself (gnnray.pipeline.device_sampler) and gathers their features from a table
-    on its device (gnnray.pipeline.placement), and cora reaches the actors' run's accuracy (the same flags)."""
+    worker samples its seed rows itself (gnnray.train.device_sampler) and gathers their features from a table
+    on its device (gnnray.train.placement), and cora reaches the actors' run's accuracy (the same flags)."""
     from gnnray.train.report import events
 
     actors, _ = cora_run

@@ -1,4 +1,4 @@
-"""The package's layout: no import cycles, and each folder imports only the stages it may run beside."""
+"""The package's layout: no import cycles, a folder per process, and torch only where a process trains."""
 
 from __future__ import annotations
 
@@ -6,15 +6,25 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gnnray"
-# What each folder may import from the package (besides itself and the shared top-level modules).
+# A folder is a process (gnnray/__init__.py); what each may import from the package (besides itself and the
+# shared top-level modules). The driver plans and measures with the sampler, and reads torch-free modules of
+# train/; Ray Train's controller side (controller/) builds an elastic group's stream as the driver does.
 ALLOWED = {
     "data": set(),
     "store": {"data"},
-    "pipeline": {"data", "store"},
-    "train": {"data", "store", "pipeline"},
-    "inference": {"data", "store", "pipeline", "train"},
-    "driver": {"data", "store", "pipeline", "train", "inference"},
+    "sampler": {"data", "store"},
+    "models": {"sampler"},  # the CPU dropout mask draws with the sampler's mixer (pick.mix, pick.Threads)
+    "train": {"data", "store", "sampler", "models"},
+    "inference": {"data", "store", "sampler", "models", "train"},
+    "controller": {"data", "store", "sampler", "train", "driver"},
+    "driver": {"data", "store", "sampler", "models", "train", "inference", "controller"},
 }
+# The processes that train: only their folders import torch at module level.
+TORCH_FOLDERS = {"train", "models", "inference"}
+# DGL's sampler runs in sampler actors, and only with --sampler graphbolt: DGL needs torch.
+TORCH_EXCEPTIONS = {"gnnray.sampler.graphbolt"}
+# The predict job's driver loads the checkpoint's model itself (jobs/predict.py; the training driver does not).
+TORCH_DRIVERS = {"gnnray.driver.predict_job"}
 
 
 def _module_name(path: Path) -> str:
@@ -37,6 +47,31 @@ def import_graph() -> dict[str, set[str]]:
                 targets.update(a.name for a in node.names if a.name.startswith("gnnray"))
         graph[name] = {t for t in targets if t in modules and t != name}
     return graph
+
+
+def _type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports when it is imported: its top-level statements (``try`` and ``if`` bodies
+    included, ``if TYPE_CHECKING`` left out), not the imports inside functions and classes."""
+    modules = set()
+    todo = list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import):
+            modules.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try)) and not _type_checking(node):
+            todo += node.body + node.orelse + getattr(node, "handlers", []) + getattr(node, "finalbody", [])
+        elif isinstance(node, ast.ExceptHandler):
+            todo += node.body
+    return modules
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -90,7 +125,7 @@ def test_stage_table_names_existing_files():
 
 
 def test_the_console_imports_no_torch():
-    """The driver's console reads the run's files: it needs their names (``gnnray.storage``), not torch."""
+    """The driver's console reads the run's files: it needs their names (``gnnray.run_storage``), not torch."""
     import subprocess
     import sys
 
@@ -140,3 +175,41 @@ def test_private_ray_is_used_in_one_module():
                        "ray._private.worker.get_dashboard_url()\nactor._actor_id.hex()\nimport ray.train") == [
         "ray._private", "ray._private.state", "ray._private.worker", "ray._private.worker.get_dashboard_url",
         "ray.train.torch.config._TorchBackend"]
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def test_only_the_training_processes_import_torch_at_module_level():
+    """``train/``, ``models/`` and ``inference/`` import torch at module level; ``sampler/graphbolt.py`` is the
+    one exception. Everything else (the driver, the sampler actors, Ray Train's controller side, the contracts
+    they share) imports torch only inside the functions that need it."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    direct = {m for m, p in modules.items() if any(n == "torch" or n.startswith("torch.")
+                                                   for n in module_level_imports(p))}
+    assert {m for m in direct if _folder(m) not in TORCH_FOLDERS} == TORCH_EXCEPTIONS
+    assert {"gnnray.train.loop", "gnnray.models.model", "gnnray.inference.layerwise_task"} <= direct
+
+
+def test_what_the_other_processes_import_loads_no_torch():
+    """Nor does a module outside those folders load torch through the gnnray modules it imports at module level
+    (a torch-free module of ``train/`` the driver reads stays torch-free): what the rule above leaves to hold."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {m: {t for t in module_level_imports(p) if t in modules and t != m} for m, p in modules.items()}
+    torch = {m for m, p in modules.items() if any(n == "torch" or n.startswith("torch.") for n in module_level_imports(p))}
+
+    def loads_torch(m: str, seen: set) -> bool:
+        if m in torch:
+            return True
+        seen.add(m)
+        return any(loads_torch(t, seen) for t in edges[m] if t not in seen)
+
+    light = [m for m in modules if _folder(m) not in TORCH_FOLDERS and m not in TORCH_EXCEPTIONS | TORCH_DRIVERS]
+    assert sorted(m for m in light if loads_torch(m, set())) == []
+    assert loads_torch("gnnray.driver.predict_job", set())  # the checker follows imports through modules
+
+
+def test_no_module_is_over_450_lines():
+    assert {p.name: n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450} == {}

@@ -9,7 +9,7 @@ import pytest
 from gnnray.config import parse_args
 from gnnray.driver.console import epoch_line
 from s3_server import STORAGE_KINDS
-from gnnray.pipeline.seeds import steps_per_epoch
+from gnnray.seeds import steps_per_epoch
 from shared_runs import SCRIPT_EPOCHS
 
 EPOCHS, WORKERS, BATCH, FANOUTS = SCRIPT_EPOCHS, 2, 128, (5, 5)  # shared_runs.SYNTHETIC's
@@ -83,14 +83,14 @@ def test_epoch_printer_eta(storage_path, capsys):
     The driver reads the lines where rank 0 keeps them, in a directory or a bucket (its log rewritten whole)."""
     import json
 
-    from gnnray import storage
+    from gnnray import run_storage
     from gnnray.driver.console import EpochPrinter
 
-    log = storage.join(storage_path, "metrics.jsonl")
+    log = run_storage.join(storage_path, "metrics.jsonl")
     m = dict(epoch=0, loss=1.0, train_acc=0.5, val_acc=0.5, seeds_per_s=100.0, data_wait=0.1, epoch_time=10.0)
-    storage.append(log, (json.dumps(dict(m, epoch=-1)) + "\n").encode())  # a resumed run's: not printed
+    run_storage.append(log, (json.dumps(dict(m, epoch=-1)) + "\n").encode())  # a resumed run's: not printed
     with EpochPrinter(storage_path, epochs=3, bar=False):  # prints at the latest when it stops
-        storage.append(log, (json.dumps(m) + "\n" + json.dumps(dict(m, epoch=2, test_acc=0.5)) + "\n").encode())
+        run_storage.append(log, (json.dumps(m) + "\n" + json.dumps(dict(m, epoch=2, test_acc=0.5)) + "\n").encode())
     first, last = capsys.readouterr().out.splitlines()
     assert first.startswith("epoch=0 ") and first.endswith(" eta=20s")
     assert last.startswith("epoch=2 ") and " eta=" not in last

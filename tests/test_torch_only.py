@@ -25,11 +25,11 @@ sys.path.insert(0, sys.argv[1])
 import numpy as np
 import torch
 
-import gnnray.pipeline.batch, gnnray.pipeline.prefetch, gnnray.train.step, gnnray.train.model
+import gnnray.batch, gnnray.train.prefetch, gnnray.train.step, gnnray.models.model, gnnray.models.conv, gnnray.models.dropout
 from bench.gpu.batches import RELATIONS, synthetic_batch
-from gnnray.pipeline.feature_reader import LocalRows
-from gnnray.pipeline.prefetch import Prefetcher
-from gnnray.train.model import MODELS, build_model
+from gnnray.models.model import MODELS, build_model
+from gnnray.train.feature_reader import LocalRows
+from gnnray.train.prefetch import Prefetcher
 from gnnray.train.step import train_epoch
 
 results = {}

@@ -1,7 +1,7 @@
 """The train worker's GPU path, checked on a bare GPU machine: ``python -m bench.gpu [--smoke] [--json PATH]``.
 
 Needs torch and numpy only (no Ray, no DGL: what a lent GPU machine with torch
-2.11 and Python 3.12 has), and runs on synthetic :class:`~gnnray.pipeline.batch.Layer`
+2.11 and Python 3.12 has), and runs on synthetic :class:`~gnnray.batch.Layer`
 batches (:func:`~bench.gpu.batches.synthetic_batch`):
 
 - ``model NAME``: each built-in model's forward and backward on the device
@@ -53,7 +53,7 @@ DEFAULT_JSON = Path(__file__).resolve().parents[2] / "bench-results" / "gpu.json
 def run(smoke: bool) -> dict:
     """Every row (a failed one carries its error), with the machine and the sizes."""
     from bench.gpu import syncs
-    from gnnray.train.model import MODELS
+    from gnnray.models.model import MODELS
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -24,7 +24,7 @@ def synthetic_batch(rng: np.random.Generator, batch: int, fanouts, num_classes: 
     """A sampled-looking :class:`MiniBatch` on the CPU (no features): for each layer, from the output down,
     every destination gets 0 to ``fanout`` in-edges (some none) from sources numbered after the destinations;
     int64 ids, labels in ``[0, num_classes)``, each edge a relation with ``num_relations > 1``."""
-    from gnnray.pipeline.batch import Layer, MiniBatch
+    from gnnray.batch import Layer, MiniBatch
 
     sizes, layers = [batch], []
     for fanout in reversed(tuple(fanouts)):
@@ -71,7 +71,7 @@ def median_s(fn: Callable[[], object], dev: torch.device, reps: int) -> float:
 
 
 def build(name: str, z: dict):
-    from gnnray.train.model import build_model
+    from gnnray.models.model import build_model
 
     return build_model(z["in_feats"], z["classes"], len(z["fanouts"]), z["hidden"], 0.0, name=name,
                        heads=z["heads"], num_relations=RELATIONS if name.startswith("r") else 1)

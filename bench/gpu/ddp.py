@@ -15,7 +15,7 @@ def _ddp_rank(rank: int, world: int, port: int, device_type: str, z: dict, out: 
     """One DDP rank: ``train_epoch`` over Prefetcher batches; writes its step time and weights' checksum."""
     import torch.distributed as dist
 
-    from gnnray.pipeline.prefetch import Prefetcher
+    from gnnray.train.prefetch import Prefetcher
     from gnnray.train.step import train_epoch
 
     cuda = device_type == "cuda"

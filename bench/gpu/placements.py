@@ -86,9 +86,9 @@ def ceiling(options: list, dev: torch.device, batches: int, passes: int = 3) -> 
     the first)."""
     from gnnray.config import parse_args
     from gnnray.data.load import load_graph
-    from gnnray.pipeline.sampler import make_sampler
-    from gnnray.pipeline.seeds import steps_per_epoch
-    from gnnray.train.model import model_for
+    from gnnray.models.model import model_for
+    from gnnray.sampler.sampler import make_sampler
+    from gnnray.seeds import steps_per_epoch
     from gnnray.train.step import train_epoch
 
     cfg = parse_args([*COMMON, *options])

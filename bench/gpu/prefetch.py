@@ -17,8 +17,8 @@ def prefetch_overlap(device: str, batches: int = 20, input_nodes: int = 100_000,
     The compute step (matmuls on the batch's features) is sized to take about
     as long as the copy, so full overlap would halve the serial time.
     """
-    from gnnray.pipeline.batch import MiniBatch
-    from gnnray.pipeline.prefetch import HostSlot, Prefetcher
+    from gnnray.batch import MiniBatch
+    from gnnray.train.prefetch import HostSlot, Prefetcher
 
     dev = torch.device(device)
     # One layer: about input_nodes sources for min(1024, input_nodes / 4) seeds.

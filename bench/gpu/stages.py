@@ -57,12 +57,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from gnnray.config import parse_args
     from gnnray.data.load import load_graph
-    from gnnray.pipeline.device_sampler import DeviceSampler
-    from gnnray.pipeline.feature_reader import LocalRows
-    from gnnray.pipeline.placement import place
-    from gnnray.pipeline.prefetch import HostSlot
-    from gnnray.pipeline.sampler import make_sampler
-    from gnnray.train.model import model_for
+    from gnnray.models.model import model_for
+    from gnnray.sampler.sampler import make_sampler
+    from gnnray.train.device_sampler import DeviceSampler
+    from gnnray.train.feature_reader import LocalRows
+    from gnnray.train.placement import place
+    from gnnray.train.prefetch import HostSlot
     from gnnray.train.step import train_epoch
 
     cuda = torch.cuda.is_available() and not a.smoke

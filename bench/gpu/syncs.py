@@ -11,7 +11,7 @@ and what is counted is what the path asks of the host:
   rows, its all-reduce and the reduced rows' copy to the host table, the step's
   one read-back by design (the table is on the host);
 - ``syncs rgat``: rgat's ``train_epoch`` with its BatchNorms on their
-  synchronised path (:meth:`~gnnray.train.model.SyncBatchNorm.synced`, forced
+  synchronised path (:meth:`~gnnray.models.model.SyncBatchNorm.synced`, forced
   on one rank), and one BatchNorm call (forward and backward) of gnnray's and
   of torch's ``nn.SyncBatchNorm`` (its autograd function, called with the
   one-rank group; CUDA only, plain BatchNorm on the CPU): host syncs and time
@@ -71,8 +71,8 @@ def embedding_row(dev: torch.device, z: dict) -> dict:
     import time
 
     from bench.gpu import batches
-    from gnnray.pipeline.prefetch import Prefetcher
     from gnnray.train.embedding import NodeEmbedding
+    from gnnray.train.prefetch import Prefetcher
     from gnnray.train.step import train_epoch
 
     # Batches drawn from the same ids: rows a step updates recur in the next batches (re-read when taken).
@@ -108,9 +108,9 @@ def placed_row(dev: torch.device, z: dict) -> dict:
     import time
 
     from bench.gpu import batches
-    from gnnray.pipeline.feature_reader import LocalRows
-    from gnnray.pipeline.placement import place
-    from gnnray.pipeline.prefetch import Prefetcher
+    from gnnray.train.feature_reader import LocalRows
+    from gnnray.train.placement import place
+    from gnnray.train.prefetch import Prefetcher
     from gnnray.train.step import train_epoch
 
     rows, feat = batches.synthetic_rows(np.random.default_rng(4), 2 * STEPS, z["batch"], z["fanouts"], z["classes"],
@@ -150,7 +150,7 @@ def rgat_row(dev: torch.device, z: dict) -> dict:
     import torch.distributed as dist
 
     from bench.gpu import batches, models
-    from gnnray.train.model import SyncBatchNorm
+    from gnnray.models.model import SyncBatchNorm
 
     rng = np.random.default_rng(4)
     mb = batches.synthetic_batch(rng, z["batch"], z["fanouts"], z["classes"], batches.RELATIONS)
@@ -196,7 +196,7 @@ def rgat_row(dev: torch.device, z: dict) -> dict:
 @contextlib.contextmanager
 def _synced_norms():
     """gnnray's SyncBatchNorms take their synchronised path on one rank (as they would on two or more)."""
-    from gnnray.train.model import SyncBatchNorm
+    from gnnray.models.model import SyncBatchNorm
 
     plain = SyncBatchNorm.forward
     SyncBatchNorm.forward = lambda self, x: SyncBatchNorm.synced(self, x) if self.training else plain(self, x)

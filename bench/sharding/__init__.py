@@ -7,7 +7,7 @@ is loopback between the stores):
 
 1. **Object store per node** (``gathers.py``) for K = 1 (replicated), 2, 3, cache 0.1: every
    node runs a probe that reads the graph as a train worker does
-   (``GraphHandle.get`` and :func:`gnnray.pipeline.feature_reader.reader_for`, one
+   (``GraphHandle.get`` and :func:`gnnray.train.feature_reader.reader_for`, one
    gather), then ``ray.experimental.get_object_locations`` over the job's
    objects (structure, shards, cache) gives the bytes on each node. The
    raylet's own ``object_store_bytes_used`` is in the JSON beside it

@@ -23,7 +23,7 @@ class GatherProbe:
     """
 
     def __init__(self, handle):
-        from gnnray.pipeline.feature_reader import reader_for
+        from gnnray.train.feature_reader import reader_for
 
         self._graph = handle.get()
         self._reader = reader_for(self._graph, handle.features)
@@ -87,8 +87,8 @@ def bench_cluster_gathers(cl: SimulatedCluster, ss: ShardSettings, data, out: di
     """Figures 1-3 and the gather half of 4: per-node layout, remote fetch per batch, cache hit rates."""
     import ray
 
+    from gnnray.sampler.sampler import Sampler
     from gnnray.store.shards import cache_nbytes
-    from gnnray.pipeline.sampler import Sampler
 
     row_bytes = ss.feat_dim * 4
     base_pub, publish_s = publish(data, 1, ss.cache, ss.seed)

@@ -13,7 +13,7 @@ three ranks, one pinned on each of the 3 nodes, form a gloo group and call
 ``infer_chunk`` nodes per chunk:
 
 - K = 3: the ranks sit beside their shards; the shard servers hold the hidden
-  tables, a node range each (``gnnray.train.hidden``);
+  tables, a node range each (``gnnray.train.layerwise_hidden``);
 - K = 1: the same ranks on the same nodes; each rank puts its slice of a table
   in its store and reads the others' through it, so every node holds every
   table whole.
@@ -60,7 +60,7 @@ class Rank:
         import torch
         import torch.distributed as dist
 
-        from gnnray.pipeline.feature_reader import reader_for
+        from gnnray.train.feature_reader import reader_for
 
         torch.set_num_threads(1)  # three ranks and their servers on this machine's cores
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -186,7 +186,7 @@ def on_cluster(ss: ShardSettings, data, store_mib: int, verbose: bool) -> dict:
     import ray
     import torch
 
-    from gnnray.train.model import build_model
+    from gnnray.models.model import build_model
 
     k, runs = max(ss.shards), {}
     cl = SimulatedCluster(dataclasses.replace(ss, store_mib=store_mib), verbose)
@@ -285,8 +285,8 @@ def bench_stores(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]
     import torch
 
     from gnnray.config import parse_args
+    from gnnray.models.model import build_model
     from gnnray.store.shards import hidden_nbytes
-    from gnnray.train.model import build_model
 
     k, runs = max(ss.shards), {}
     interval = os.environ.get("RAY_metrics_report_interval_ms")

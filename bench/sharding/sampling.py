@@ -29,8 +29,8 @@ def sampling_stats(graph, ss: ShardSettings, batch_size: int, batches: int,
     Hit rates and shares are per batch over its unique input nodes, what a
     gather fetches.
     """
+    from gnnray.sampler.sampler import Sampler
     from gnnray.store.shards import cache_ids, shard_bounds
-    from gnnray.pipeline.sampler import Sampler
 
     n = graph.num_nodes
     sampler = Sampler(graph, ss.fanouts)

@@ -160,7 +160,7 @@ def structure_dtypes(num_nodes: int, num_edges: int) -> tuple[np.dtype, np.dtype
     ``num_nodes``. Past 2**31 edges (papers100M, MAG240M with reverse edges)
     only ``indptr`` widens: ``indices``, the big array, stays int32, E x 4
     bytes less on every node. The sampler reads that mixed pair as it is
-    (:mod:`gnnray.pipeline.pick`); DGL's ``dgl.graph`` would not.
+    (:mod:`gnnray.sampler.pick`); DGL's ``dgl.graph`` would not.
     """
     def fits(count: int) -> np.dtype:
         return np.dtype(np.int32 if count < 2**31 else np.int64)

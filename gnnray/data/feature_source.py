@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from gnnray import storage
+from gnnray import run_storage
 from gnnray.errors import DatasetError
 
 # Rows per generator chunk: a row's values depend only on the seed and its chunk, not on the range asked for.
@@ -154,11 +154,11 @@ class SpilledRows(FeatureSource):
     bounds: tuple
 
     def __post_init__(self):
-        shape, dtype = _read_spill(storage.npy_header, self.files[0])
+        shape, dtype = _read_spill(run_storage.npy_header, self.files[0])
         self.num_rows, self.dim, self.dtype = self.bounds[-1], shape[1], dtype
 
     def rows(self, lo, hi, label=None):
-        parts = [_read_spill(storage.npy_rows, f, max(lo, a) - a, min(hi, b) - a) for f, a, b in self._files(lo, hi)]
+        parts = [_read_spill(run_storage.npy_rows, f, max(lo, a) - a, min(hi, b) - a) for f, a, b in self._files(lo, hi)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def part(self, lo, hi):
@@ -171,7 +171,7 @@ class SpilledRows(FeatureSource):
 
 
 def _read_spill(read, location: str, *args):
-    """``read(location, *args)`` (a :mod:`gnnray.storage` reader), or the error that says what this node lacks."""
+    """``read(location, *args)`` (a :mod:`gnnray.run_storage` reader), or the error that says what this node lacks."""
     try:
         return read(location, *args)
     except OSError as exc:
@@ -187,7 +187,7 @@ def spill(source: FeatureSource, bounds: np.ndarray, directory: str, dtype: str,
 
     A shard's file is named by what it holds (:func:`spill_name`: its range, dtype and a digest of its rows), so
     one written before, whole, is used as it is: a run that resumes writes none again. Files of other contents
-    are deleted. ``directory`` is a path or an object store's URI (:mod:`gnnray.storage`); a reader never sees
+    are deleted. ``directory`` is a path or an object store's URI (:mod:`gnnray.run_storage`); a reader never sees
     half a file.
     """
     if not source.in_memory:
@@ -196,15 +196,15 @@ def spill(source: FeatureSource, bounds: np.ndarray, directory: str, dtype: str,
     for i in range(k):
         lo, hi = int(bounds[i]), int(bounds[i + 1])
         rows = np.ascontiguousarray(source.rows(lo, hi, label), dtype=dtype)
-        path = storage.join(directory, spill_name(i, k, lo, rows))
-        if not storage.npy_complete(path, rows.shape, rows.dtype):
-            storage.save_npy(path, rows)
+        path = run_storage.join(directory, spill_name(i, k, lo, rows))
+        if not run_storage.npy_complete(path, rows.shape, rows.dtype):
+            run_storage.save_npy(path, rows)
         files.append(path)
         del rows
     kept = {posixpath.basename(f.partition("?")[0]) for f in files}
-    for name in storage.list_files(directory):
+    for name in run_storage.list_files(directory):
         if name.startswith("shard-") and name not in kept:  # an earlier table's: never read again
-            storage.delete(storage.join(directory, name))
+            run_storage.delete(run_storage.join(directory, name))
     spilled = SpilledRows(tuple(files), tuple(int(b) for b in bounds))
     spilled.where = source.where
     return spilled

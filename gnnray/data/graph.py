@@ -26,7 +26,7 @@ class Graph:
         indices: ``(num_edges,)``, source node of each in-edge: int32 below
             2**31 nodes, int64 past that, whatever ``indptr``'s dtype.
             The sampler reads any such pair without a copy
-            (:mod:`gnnray.pipeline.pick`); sampled ids come in this dtype.
+            (:mod:`gnnray.sampler.pick`); sampled ids come in this dtype.
         feat: float32, ``(num_nodes, feat_dim)``.
         label: int64, ``(num_nodes,)``; ``-1`` marks unlabelled nodes.
         train_idx: int64 node ids of the training split.

@@ -234,7 +234,7 @@ def fanout_table(fanouts: Union[Fanouts, Sequence[int]], graph: Graph, flag: str
 
     A relation without its own list in ``fanouts`` gets the default, so
     ``10,10`` takes up to 10 in-edges of each relation per node, as DGL's
-    samplers do on heterographs. Every :class:`~gnnray.pipeline.sampler.Sampler`
+    samplers do on heterographs. Every :class:`~gnnray.sampler.sampler.Sampler`
     calls it; call it on the driver once the graph is loaded (it imports no
     torch), so that a bad ``--fanouts`` (or ``flag``) fails before any worker starts.
 

@@ -17,8 +17,7 @@ import warnings
 
 from gnnray import cpus, ray_internals, stack
 from gnnray.config import JobConfig
-from gnnray.driver import preflight
-from gnnray.pipeline import pace
+from gnnray.driver import pace, preflight
 from gnnray.errors import ClusterError
 
 _RAY_DEPRECATION = "`ExecutionOptions.exclude_resources` is deprecated"

@@ -5,7 +5,7 @@ Rank 0 appends each epoch's metrics to ``metrics.jsonl`` and rewrites a small
 progress file during the epoch; an elastic run's worker groups log their starts
 and preemption notices to ``workers.jsonl``; :class:`EpochPrinter` follows them
 from a thread on the driver, reading them where the run keeps them (a directory
-or an object store, ``gnnray.storage``): the driver needs no disk shared with
+or an object store, ``gnnray.run_storage``): the driver needs no disk shared with
 the workers. Ray's own INFO logs (Train's per-report lines, Data's
 execution plans) go to Ray's session logs instead of the console
 (:func:`quiet_ray`); its warnings and errors still show.
@@ -19,9 +19,9 @@ import threading
 import time
 from typing import Optional
 
-from gnnray import storage
-from gnnray.storage import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
+from gnnray import run_storage
 from gnnray.logs import quiet_console
+from gnnray.run_storage import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 
 
 def say(line: str) -> None:
@@ -155,15 +155,15 @@ class EpochPrinter:
     """
 
     def __init__(self, run_dir: str, epochs: int, workers: Optional[tuple] = None, bar: Optional[bool] = None):
-        self._path = storage.join(run_dir, METRICS_LOG)
-        self._progress = storage.join(run_dir, PROGRESS_FILE)
+        self._path = run_storage.join(run_dir, METRICS_LOG)
+        self._progress = run_storage.join(run_dir, PROGRESS_FILE)
         self._epochs = epochs
         self._bar = sys.stdout.isatty() if bar is None else bar
         self._drawn = False
         self._seen: list[float] = []  # when the driver saw each epoch's line
         self._metrics = Tail(self._path)
         self._elastic = workers is not None
-        self._workers_log = Tail(storage.join(run_dir, WORKERS_LOG))
+        self._workers_log = Tail(run_storage.join(run_dir, WORKERS_LOG))
         self._world: Optional[int] = None  # the last group's world size
         self._preempted: list[str] = []  # nodes drained since the last group started
         self._stop = threading.Event()
@@ -208,7 +208,7 @@ class EpochPrinter:
 
     def _draw_bar(self, width: int = 30) -> None:
         try:
-            epoch, step, steps = map(int, storage.read_bytes(self._progress).split())
+            epoch, step, steps = map(int, run_storage.read_bytes(self._progress).split())
         except (OSError, ValueError):
             return
         done = int(width * step / max(steps, 1))
@@ -243,10 +243,10 @@ class Tail:
 
     def __init__(self, location: str):
         self._location = location
-        self._offset = storage.size(location) or 0
+        self._offset = run_storage.size(location) or 0
 
     def new(self) -> list[dict]:
-        data = storage.read_from(self._location, self._offset)
+        data = run_storage.read_from(self._location, self._offset)
         complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
         self._offset += len(complete)
         return [json.loads(line) for line in complete.decode().splitlines()]

@@ -10,14 +10,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from gnnray import ray_internals, stack, storage
+from gnnray import ray_internals, stack, run_storage
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
 from gnnray.data.load import check_dataset
-from gnnray.store.handle import GraphHandle
 from gnnray.driver import connect, launch, plans, preflight
 from gnnray.driver.failures import one_line, rank_error, stack_mismatch
 from gnnray.errors import CheckpointError, ClusterError, ConfigError
+from gnnray.store.handle import GraphHandle
 
 # torch, Ray Train and what imports them (the console too, through gnnray.train.report) are imported where
 # used: the driver starts Ray first, and a local cluster starts while torch is imported (launch.load_and_publish).
@@ -87,8 +87,8 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
     import ray.train
 
     from gnnray.driver import console
-    from gnnray.pipeline.placement import feature_line
     from gnnray.train import checkpoint
+    from gnnray.train.placement import feature_line
     from gnnray.train.setup import WorkerSetup
 
     graph = pub.graph
@@ -160,7 +160,7 @@ def _not_restarted():
 
 
 def _plan(cfg: JobConfig, graph: Graph) -> list:
-    from gnnray.pipeline.seeds import plan_key
+    from gnnray.seeds import plan_key
 
     return plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers)
 
@@ -195,10 +195,10 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
     import ray.train
     from gnnray.train.process_group import ProcessGroupConfig
 
-    from gnnray.driver.split import StartedSplit, split_by_driver
-    from gnnray.pipeline.sampler import packed_bytes_at_most
-    from gnnray.pipeline.seeds import SeedPlan
-    from gnnray.pipeline.stream import execution_options, minibatch_stream, streams
+    from gnnray.controller.split import StartedSplit, split_by_driver
+    from gnnray.driver.stream import execution_options, minibatch_stream
+    from gnnray.sampler.sampler import packed_bytes_at_most
+    from gnnray.seeds import SeedPlan, streams
     from gnnray.train.loop import train_loop
 
     ray_internals.start_train_singletons(coordinator=not local or streams(cfg))
@@ -233,7 +233,7 @@ def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local:
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
-            storage_path=storage.normalize(cfg.run.storage_path),  # run_dir is its NAME directory
+            storage_path=run_storage.normalize(cfg.run.storage_path),  # run_dir is its NAME directory
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             # Restarts are the driver's (see run): the seed stream must restart
             # at the checkpoint's epoch, which only a new dataset can do. That
@@ -261,14 +261,14 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
     group (nodes joined, every ``--resize-interval`` seconds it looks) or the
     group fails (a node lost or drained, a worker raised): failures up to
     ``--max-failures``, preemptions always. Every start gets its stream from
-    :class:`~gnnray.driver.split.ElasticSplit`, made for its world size from
+    :class:`~gnnray.controller.split.ElasticSplit`, made for its world size from
     the newest checkpoint; the driver only watches (``console.EpochPrinter``
     prints the resizes). The dashboard shows each start as an attempt of the run.
     """
     import ray.train
     from gnnray.train.process_group import ProcessGroupConfig
 
-    from gnnray.driver.split import ElasticSplit, split_by_driver
+    from gnnray.controller.split import ElasticSplit, split_by_driver
     from gnnray.train.loop import train_loop
     from gnnray.train.report import log_event
 
@@ -287,7 +287,7 @@ def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
-            storage_path=storage.normalize(cfg.run.storage_path),
+            storage_path=run_storage.normalize(cfg.run.storage_path),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             # Ray Train restarts the group from the newest checkpoint, the stream with it (ElasticSplit):
             # failures up to --max-failures, preemptions (a drained node) whenever they come.
@@ -311,7 +311,7 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
     computed once.
     """
     from gnnray.driver import console
-    from gnnray.inference import predict_task
+    from gnnray.inference import layerwise_task
     from gnnray.train import checkpoint
 
     if cfg.train.eval != "layerwise":
@@ -319,11 +319,11 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
     m = latest.metrics
     if m.get("eval") != "layerwise":
         # ``embedding``: the checkpoint directory, whose embedding shard files the inference task reads.
-        model, embedding = predict_task.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
-        if not predict_task.supports_layerwise(model):
+        model, embedding = layerwise_task.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
+        if not layerwise_task.supports_layerwise(model):
             console.say(f"note: {type(model).__name__} has no layer(i, layer, h): final accuracies are sampled")
             return latest
-        result = predict_task.run(graph, handle, model, embedding=embedding, batch_size=cfg.train.inference_batch_size,
+        result = layerwise_task.run(graph, handle, model, embedding=embedding, batch_size=cfg.train.inference_batch_size,
                                use_gpu=cfg.train.use_gpu)
         update = {"eval": "layerwise", "val_acc_layerwise": result.accuracy["valid"],
                   "test_acc": result.accuracy["test"], "inference_s": result.seconds}

@@ -11,15 +11,15 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from gnnray import storage
+from gnnray import run_storage
 from gnnray.config import JobConfig
 from gnnray.data.feature_source import FeatureSource
 from gnnray.data.graph import Graph
-from gnnray.store.handle import GraphHandle
 from gnnray.driver import preflight
 from gnnray.driver.connect import init_ray
 from gnnray.errors import ClusterError
 from gnnray.heap import trim_heap
+from gnnray.store.handle import GraphHandle
 
 # gnnray.driver.console is imported where used, once Ray has started.
 
@@ -59,7 +59,7 @@ def _check_fanouts(cfg: JobConfig, graph) -> None:
     if cfg.sampler.eval_fanouts is not None:
         fanout_table(cfg.sampler.eval_fanouts, graph, "--eval-fanouts")
     if cfg.sampler.backend == "native":
-        from gnnray.pipeline.pick import warm_up
+        from gnnray.sampler.pick import warm_up
 
         warm_up(graph.indptr.dtype, graph.indices.dtype, None if graph.etype is None else graph.etype.dtype)
 
@@ -99,7 +99,7 @@ def load_and_publish(cfg: JobConfig, model_check: Optional[Callable[[int, int], 
     """
     _import_fork_hooks()
     _import_torch_meanwhile()
-    storage.clean_leftovers(storage.run_dir(cfg.run.storage_path, cfg.run.name))  # of writes killed last time
+    run_storage.clean_leftovers(run_storage.run_dir(cfg.run.storage_path, cfg.run.name))  # of writes killed last time
     if overlap_ray:
         loading = _Thread(_load, cfg, model_check)
         local = init_ray(cfg)
@@ -145,9 +145,9 @@ def _spill(cfg: JobConfig, graph: Graph, source: FeatureSource) -> FeatureSource
     from gnnray.data.feature_source import spill
     from gnnray.store.shards import shard_bounds
 
-    run_dir = storage.run_dir(cfg.run.storage_path, cfg.run.name)
+    run_dir = run_storage.run_dir(cfg.run.storage_path, cfg.run.name)
     return spill(source, shard_bounds(source.num_rows, cfg.data.feature_shards),
-                 storage.join(run_dir, "feature-spill"), cfg.data.feature_dtype, graph.label)
+                 run_storage.join(run_dir, "feature-spill"), cfg.data.feature_dtype, graph.label)
 
 
 def _import_torch() -> None:
@@ -208,8 +208,8 @@ def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes:
     """The nodes to hold the shards; on an autoscaling cluster, wait (saying so) until there are enough."""
     import ray
 
-    from gnnray.store import shards
     from gnnray.driver import console
+    from gnnray.store import shards
 
     driver_node = ray.get_runtime_context().get_node_id()
     deadline, said = time.monotonic() + AUTOSCALE_WAIT_S, False
@@ -228,8 +228,8 @@ def _shard_nodes(cfg: JobConfig, local: bool, structure_bytes: int, shard_bytes:
 
 def rebuild_lost_shards(pub: Published) -> Published:
     """After a failed attempt: make the shards whose node or server was lost again, on alive nodes."""
-    from gnnray.store import shards
     from gnnray.driver import console
+    from gnnray.store import shards
 
     if pub.handle.features is None:
         return pub

@@ -10,8 +10,8 @@ from typing import Optional
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
-from gnnray.store.handle import GraphHandle
 from gnnray.driver import preflight
+from gnnray.store.handle import GraphHandle
 
 
 def layerwise_fits(cfg: JobConfig, pub, use_gpu: bool, model_factory) -> JobConfig:
@@ -31,10 +31,10 @@ def layerwise_fits(cfg: JobConfig, pub, use_gpu: bool, model_factory) -> JobConf
 
 def workers(cfg: JobConfig, use_gpu: bool, local: bool, nodes: list) -> JobConfig:
     """``cfg`` with ``--num-workers auto`` resolved, printed with why: one worker per GPU of the cluster, or on CPU
-    nodes one per :data:`gnnray.pipeline.pace.THREADS_AT_MOST` cores of each (ARGO's several processes a host:
+    nodes one per :data:`gnnray.driver.pace.THREADS_AT_MOST` cores of each (ARGO's several processes a host:
     one worker's step hardly speeds up past that many threads)."""
     from gnnray.driver import console
-    from gnnray.pipeline.pace import THREADS_AT_MOST
+    from gnnray.driver.pace import THREADS_AT_MOST
 
     if not cfg.train.auto_workers:
         return cfg
@@ -61,9 +61,9 @@ def _node_cores(local: bool, node=None) -> int:
 def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) -> JobConfig:
     """``cfg`` with ``--sample-on`` resolved to actors or device and, where actors sample and
     ``--sampler-actors`` is not given, their pool sized (on GPU workers :func:`gpu_sampling`, on CPU workers
-    :func:`gnnray.pipeline.pace.plan_cpu_node`), printed with why."""
+    :func:`gnnray.driver.pace.plan_cpu_node`), printed with why."""
     from gnnray.driver import console
-    from gnnray.pipeline.pace import check_device_sampling
+    from gnnray.driver.pace import check_device_sampling
 
     requested, actors = cfg.sampler.sample_on, cfg.sampler.actors
     nodes = preflight.nodes()  # asked once: each call is a round trip to the cluster's GCS
@@ -89,17 +89,17 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
 def gpu_sampling(cfg: JobConfig, graph: Graph, nodes: list) -> tuple[str, str, Optional[tuple]]:
     """``(actors | device, why, --sampler-actors)`` for GPU train workers on ``nodes``.
 
-    Where: :func:`gnnray.pipeline.pace.sample_on` at this graph's measured
+    Where: :func:`gnnray.driver.pace.sample_on` at this graph's measured
     sampling pace, with the GPU nodes' own GPU memory
     (:func:`gnnray.driver.preflight.gpu_memory`), asked only where the cores
     per GPU could not keep pace: a CPU head node plans as a GPU head node
     does. The pool, where actors sample and ``--sampler-actors`` is not
     given: per train worker the actors that keep pace with its steps
-    (:func:`gnnray.pipeline.pace.actors_for_pace`), as many as its node's
+    (:func:`gnnray.driver.pace.actors_for_pace`), as many as its node's
     cores per GPU give beside the worker.
     """
-    from gnnray.pipeline.pace import (GPU_STEP_S, SEEDS_PER_CORE, actors_for_pace, csc_bytes, keeps_pace,
-                                      measured_pace, sample_on)
+    from gnnray.driver.pace import GPU_STEP_S, SEEDS_PER_CORE, actors_for_pace, keeps_pace, measured_pace, sample_on
+    from gnnray.train.gpu_budget import csc_bytes
 
     s = cfg.sampler
     gpus = [n for n in nodes if n.gpus > 0]
@@ -151,8 +151,8 @@ def cpu_sampling(cfg: JobConfig, graph: Graph, cores: int, workers: int) -> tupl
     """``(actors | device, why, sampler actors a node)`` for ``workers`` CPU train workers on a node of ``cores``
     cores: in the workers where the node's sampling needs less than a core, from the native sampler measured
     here on the run's graph and the step estimated from the batch it sampled
-    (:func:`gnnray.pipeline.pace.plan_cpu_node`); else in as many actors as the sampling needs cores."""
-    from gnnray.pipeline.pace import CORE_GFLOPS, Paces, measure, plan_cpu_node, step_gflop
+    (:func:`gnnray.driver.pace.plan_cpu_node`); else in as many actors as the sampling needs cores."""
+    from gnnray.driver.pace import CORE_GFLOPS, Paces, measure, plan_cpu_node, step_gflop
 
     seconds, layers = measure(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
     gflop = step_gflop(layers, graph.feat_dim + cfg.data.embedding_dim, cfg.model.hidden, graph.num_classes)

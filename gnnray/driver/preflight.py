@@ -135,13 +135,13 @@ GPU_PROBE_TIMEOUT_S = 30.0
 
 def gpu_memory(cluster: list[Node], timeout_s: float = GPU_PROBE_TIMEOUT_S) -> tuple[Optional[int], str]:
     """``(bytes, "")``: the smallest GPU memory of ``cluster``'s GPU nodes, each read in a task that holds a
-    sliver of one of that node's GPUs (:func:`gnnray.pipeline.pace.gpu_bytes`): the train workers' GPUs, where
+    sliver of one of that node's GPUs (:func:`gnnray.driver.pace.gpu_bytes`): the train workers' GPUs, where
     the driver's node (a CPU head node in the usual cluster) may have none. ``(None, why)`` where no GPU node
     is up, one did not answer within ``timeout_s`` (its GPUs all held, or a node still starting), or one could
     not read its GPU."""
     import ray
 
-    from gnnray.pipeline.pace import gpu_bytes
+    from gnnray.driver.pace import gpu_bytes
 
     gpu_nodes = [n for n in cluster if n.gpus > 0]
     if not gpu_nodes:
@@ -256,7 +256,7 @@ def check_resources(cfg: JobConfig, use_gpu: bool, cluster: list[Node]) -> None:
     MIN workers, and room for the sampler actors beside the group Ray Train
     would start (:func:`_check_elastic_room`).
     """
-    from gnnray.pipeline.stream import sampler_actors
+    from gnnray.driver.stream import sampler_actors
 
     t, s = cfg.train, cfg.sampler
     where = _describe(cluster)
@@ -289,7 +289,7 @@ def _check_elastic_room(cfg: JobConfig, use_gpu: bool, cluster: list[Node]) -> N
     may take every CPU, and the sampler actors the workers wait for could
     never start.
     """
-    from gnnray.pipeline.stream import sampler_actors
+    from gnnray.driver.stream import sampler_actors
 
     t, s = cfg.train, cfg.sampler
     total = sum(n.cpus for n in cluster)
@@ -340,7 +340,7 @@ def check_layerwise(cfg: JobConfig, num_nodes: int, graph_bytes: int, features, 
     hidden table whole beside the graph (one worker keeps them in its own
     memory instead: not checked); with them each shard node holds its range of
     the two tables a layer reads and writes beside its structure, shard and
-    cache (:mod:`gnnray.train.hidden`).
+    cache (:mod:`gnnray.train.layerwise_hidden`).
 
     Args:
         graph_bytes: The graph in the store (with shards: the structure alone).
@@ -413,17 +413,17 @@ def check_storage(cfg: JobConfig) -> str:
     An object store that refuses (no such bucket, no credentials, no network)
     is named here, before anything starts, in one line with what it said.
     """
-    from gnnray import storage
+    from gnnray import run_storage
 
     given = cfg.run.storage_path
-    run_dir = storage.run_dir(given, cfg.run.name)
+    run_dir = run_storage.run_dir(given, cfg.run.name)
     try:
-        storage.check_writable(run_dir)
+        run_storage.check_writable(run_dir)
     except ConfigError:  # says what to do already
         raise
     except (OSError, ValueError) as e:  # pyarrow: OSError from the store, ArrowInvalid (a ValueError) for the URI
         why = " ".join(str(e).split()) or type(e).__name__
-        if not storage.is_uri(run_dir):
+        if not run_storage.is_uri(run_dir):
             why = getattr(e, "strerror", None) or why
             raise ConfigError(f"--storage-path {given!r}: cannot write checkpoints to {run_dir} ({why}); choose a "
                               "writable directory") from None

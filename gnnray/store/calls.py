@@ -1,6 +1,6 @@
 """Calls to the shard servers, waited for together under one deadline, and what their failures say.
 
-Readers (``pipeline/feature_reader.py``, ``train/hidden.py``) send one call per shard and wait here: the
+Readers (``train/feature_reader.py``, ``train/layerwise_hidden.py``) send one call per shard and wait here: the
 first failure (the deadline, a dead server, a lost object, an error in the call) raises a
 :class:`~gnnray.errors.FeatureShardError` naming the shard and its node, so a run that loses a shard node
 says which one (and, with ``--max-failures``, the driver rebuilds it: :func:`gnnray.store.shards.repair`).

@@ -20,7 +20,7 @@ first time a process there reads it.
 Lost shards (:func:`repair`, after a failed attempt) are made again from the
 same source, each on its own alive node that still has room for it.
 
-What readers do with this handle is :mod:`gnnray.pipeline.feature_reader`; how they wait for the servers'
+What readers do with this handle is :mod:`gnnray.train.feature_reader`; how they wait for the servers'
 answers, :mod:`gnnray.store.calls`.
 """
 
@@ -35,7 +35,7 @@ from gnnray.data.feature_source import FeatureSource, check_finite
 from gnnray.errors import ClusterError, FeatureShardError, size_text
 from gnnray.stack import check_node
 from gnnray.store.calls import GATHER, wait_calls
-from gnnray.store.hidden_rows import HiddenRowsHeld
+from gnnray.store.hidden_server import HiddenRowsHeld
 
 # Share of a node's object store the graph may take (as preflight.GRAPH_STORE_FRACTION): the rest holds
 # mini-batches in flight and the rows being fetched.

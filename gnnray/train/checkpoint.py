@@ -1,5 +1,5 @@
 """Checkpoints: written by rank 0 at epoch ends (:class:`Schedule`) and within epochs (``--checkpoint-every``,
-a preemption notice), chosen by the driver on resume (an elastic run: by its stream, ``driver/split.py``).
+a preemption notice), chosen by the driver on resume (an elastic run: by its stream, ``controller/split.py``).
 
 A checkpoint's position is ``(epoch, step)``: ``epoch`` is the last completed
 epoch (``-1``: none) and ``step`` the steps done of the next one (``0`` at an
@@ -18,7 +18,7 @@ the whole embedding table to write or read it: a reader takes the rows it
 needs from the shards that overlap them (:func:`read_rows`), so a checkpoint of
 K=1 resumes with K=3 and back. Older checkpoints kept the whole table in
 ``state.pt`` (``embedding``); they still load, memory-mapped.
-The directory is a path or an object store's URI (``gnnray.storage``: every
+The directory is a path or an object store's URI (``gnnray.run_storage``: every
 file is written whole or not at all). ``meta.json`` is written last, so a crash
 mid-write leaves a directory without a valid ``meta.json``:
 :func:`latest_valid` skips it and resume falls back to the previous one.
@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from gnnray import storage
+from gnnray import run_storage
 from gnnray.errors import CheckpointError
 
 STATE_FILE = "state.pt"
@@ -132,25 +132,25 @@ def save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimize
     epoch, step = int(metrics["epoch"]), int(metrics.get("step", 0))
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch, "step": step,
              "best_val_acc": float(metrics["best_val_acc"]), **(extra or {})}
-    size = storage.write(storage.join(directory, STATE_FILE), lambda f: torch.save(state, f))
+    size = run_storage.write(run_storage.join(directory, STATE_FILE), lambda f: torch.save(state, f))
     meta = {"epoch": epoch, "step": step, "state_bytes": size, "metrics": metrics}
     if embedding is not None:
         meta["embedding"] = embedding
     if config is not None:
         meta["config"] = config
-    storage.write_bytes(storage.join(directory, META_FILE), json.dumps(meta).encode())
+    run_storage.write_bytes(run_storage.join(directory, META_FILE), json.dumps(meta).encode())
 
 
 def read_meta(directory: str) -> dict:
     """Return ``meta.json`` of the checkpoint in ``directory`` (``epoch``, ``metrics``, ``config`` if saved)."""
-    return json.loads(storage.read_bytes(storage.join(directory, META_FILE)))
+    return json.loads(run_storage.read_bytes(run_storage.join(directory, META_FILE)))
 
 
 def update_metrics(directory: str, metrics: dict[str, Any]) -> None:
     """Merge ``metrics`` into the checkpoint's ``meta.json`` (atomically), e.g. accuracies computed after training."""
     meta = read_meta(directory)
     meta["metrics"] = {**meta["metrics"], **metrics}
-    storage.write_bytes(storage.join(directory, META_FILE), json.dumps(meta).encode())
+    run_storage.write_bytes(run_storage.join(directory, META_FILE), json.dumps(meta).encode())
 
 
 def load_state(directory: str, mmap: bool = False) -> dict:
@@ -162,11 +162,11 @@ def load_state(directory: str, mmap: bool = False) -> dict:
     checkpoint can come from a bucket others write to, and on torch < 2.6
     ``torch.load`` would otherwise run whatever code a pickle names.
     """
-    location = storage.join(directory, STATE_FILE)
+    location = run_storage.join(directory, STATE_FILE)
     try:
-        if storage.is_uri(location):
-            return torch.load(io.BytesIO(storage.read_bytes(location)), map_location="cpu", weights_only=True)
-        return torch.load(storage.normalize(location), map_location="cpu", mmap=mmap, weights_only=True)
+        if run_storage.is_uri(location):
+            return torch.load(io.BytesIO(run_storage.read_bytes(location)), map_location="cpu", weights_only=True)
+        return torch.load(run_storage.normalize(location), map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
         if "weights only" not in str(e).lower():
             raise
@@ -179,9 +179,9 @@ def read_info(directory: str) -> Optional[CheckpointInfo]:
     """Return the checkpoint in ``directory``, or ``None`` if it is missing or incomplete."""
     try:
         meta = read_meta(directory)
-        complete = storage.size(storage.join(directory, STATE_FILE)) == meta["state_bytes"]
+        complete = run_storage.size(run_storage.join(directory, STATE_FILE)) == meta["state_bytes"]
         for shard in (meta.get("embedding") or {}).get("shards", ()):  # each owner's files, whole
-            complete &= all(storage.size(storage.join(directory, shard["dir"], name)) == size
+            complete &= all(run_storage.size(run_storage.join(directory, shard["dir"], name)) == size
                             for name, size in shard["bytes"].items())
         info = CheckpointInfo(directory, int(meta["epoch"]), dict(meta["metrics"]), int(meta.get("step", 0)))
         return info if complete else None
@@ -231,7 +231,7 @@ def _embedding_reason(directory: str, emb: dict) -> Optional[str]:
             return f"its embedding shards {ranges} do not cover rows 0-{emb['num_nodes']}"
         for s in shards:
             for name in EMBEDDING_ARRAYS:
-                shape = storage.npy_header(storage.join(directory, s["dir"], name + ".npy"))[0]
+                shape = run_storage.npy_header(run_storage.join(directory, s["dir"], name + ".npy"))[0]
                 if shape[0] != s["hi"] - s["lo"] or (len(shape) == 2 and shape[1] != emb["dim"]):
                     return f"{s['dir']}/{name}.npy has shape {shape} for rows {s['lo']}-{s['hi']}"
     except Exception as exc:  # np.load raises many types on damaged files
@@ -243,7 +243,7 @@ def write_rows(directory: str, lo: int, hi: int, arrays: dict[str, np.ndarray]) 
     """Write rows ``[lo, hi)`` of an embedding table and their optimizer state (:data:`EMBEDDING_ARRAYS`) into
     checkpoint ``directory``; return the shard's entry for ``meta.json`` (call where the rows are)."""
     sub = f"{EMBEDDING_DIR}/rows-{lo:012d}-{hi:012d}"
-    sizes = {name + ".npy": storage.save_npy(storage.join(directory, sub, name + ".npy"), arrays[name])
+    sizes = {name + ".npy": run_storage.save_npy(run_storage.join(directory, sub, name + ".npy"), arrays[name])
              for name in EMBEDDING_ARRAYS}
     return {"lo": lo, "hi": hi, "dir": sub, "bytes": sizes}
 
@@ -268,7 +268,7 @@ def read_rows(directory: str, lo: int, hi: int, names: Sequence[str] = EMBEDDING
         if a >= b:
             continue
         for name in names:
-            part = storage.npy_rows(storage.join(directory, s["dir"], name + ".npy"), a - s["lo"], b - s["lo"])
+            part = run_storage.npy_rows(run_storage.join(directory, s["dir"], name + ".npy"), a - s["lo"], b - s["lo"])
             if name not in out:
                 out[name] = np.empty((hi - lo, *part.shape[1:]), dtype=part.dtype)
             out[name][a - lo:b - lo] = part
@@ -320,10 +320,10 @@ def latest_valid(run_dir: str, extra_keys: Sequence[str] = ()) -> tuple[Optional
         directories that were skipped as incomplete or corrupt.
     """
     found, bad = [], []
-    for name in storage.list_dirs(run_dir):
+    for name in run_storage.list_dirs(run_dir):
         if not name.startswith("checkpoint_"):
             continue
-        path = storage.join(run_dir, name)
+        path = run_storage.join(run_dir, name)
         info = read_info(path)
         (found.append(info) if info else bad.append(path))
     for info in sorted(found, key=lambda c: (c.epoch, c.step, c.path), reverse=True):

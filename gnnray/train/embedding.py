@@ -51,7 +51,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from gnnray.data.feature_source import chunked_random
+from gnnray.errors import FeatureShardError
 from gnnray.stack import check_node
+from gnnray.store.shards import route
 from gnnray.train import checkpoint
 
 
@@ -141,8 +144,6 @@ class EmbeddingOwner(RowStore):
 
 def init_rows(seed: int, lo: int, hi: int, dim: int) -> np.ndarray:
     """Initial rows ``[lo, hi)``: uniform in [-1, 1] (as DGL's examples), the same for any range (chunked seeds)."""
-    from gnnray.data.feature_source import chunked_random
-
     return chunked_random(seed, lo, hi, dim, uniform=True)
 
 
@@ -352,8 +353,6 @@ class ShardedEmbedding(EmbeddingTable):
 
     def _route(self, ids: np.ndarray):
         """``(order, bounds)``: ``ids[order[bounds[k]:bounds[k + 1]]]`` are owner ``k``'s (as feature shards route)."""
-        from gnnray.store.shards import route
-
         return route(self._starts, ids)
 
     def _read(self, ids: np.ndarray) -> np.ndarray:
@@ -396,8 +395,6 @@ class ShardedEmbedding(EmbeddingTable):
 
         import ray
         import ray.exceptions
-
-        from gnnray.errors import FeatureShardError
 
         timeout = self._timeout if timeout == -1.0 else timeout
         deadline = None if timeout is None else time.monotonic() + timeout

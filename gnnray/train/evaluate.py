@@ -1,6 +1,6 @@
 """With stage 7 (train worker): sampled evaluation of a split, each rank taking every ``world``-th node.
 
-Its node's :class:`~gnnray.pipeline.sampler.EvaluationSampler` actor, one
+Its node's :class:`~gnnray.sampler.sampler.EvaluationSampler` actor, one
 shared by the node's workers, samples each chunk of seeds, at most
 :attr:`Evaluator.requests` chunks ahead; the worker gathers the features as in
 training (:class:`Prefetcher`). A rank with few seeds to evaluate
@@ -24,14 +24,14 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from gnnray.batch import MiniBatch
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
+from gnnray.sampler.sampler import make_sampler, rows_per_seed_at_most, start_evaluation_sampler
 from gnnray.store.handle import GraphHandle
-from gnnray.pipeline.batch import MiniBatch
-from gnnray.pipeline.feature_reader import FeatureReader, LocalRows
-from gnnray.pipeline.prefetch import HostSlot, Prefetcher
-from gnnray.pipeline.sampler import rows_per_seed_at_most, start_evaluation_sampler
 from gnnray.train.embedding import NodeEmbedding
+from gnnray.train.feature_reader import FeatureReader, LocalRows
+from gnnray.train.prefetch import HostSlot, Prefetcher
 
 
 # A rank's validation and test seeds at most this many are sampled in the worker: about 0.5 s of one core at
@@ -189,8 +189,6 @@ class _Here:
     """Sampling in this process, called as the actor is (``sample.remote``): without Ray, or for few seeds."""
 
     def __init__(self, graph: Graph, fanouts, cfg: JobConfig, threads: int = 1):
-        from gnnray.pipeline.sampler import make_sampler
-
         self._sampler = make_sampler(graph, fanouts, cfg.sampler.backend, cfg.run.seed, threads)
         self.sample = self  # so that ``sample.remote(seeds)`` reads as for the actor
 

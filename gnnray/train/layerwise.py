@@ -7,7 +7,7 @@ exact and cheaper: layer ``i`` is computed once for *all* nodes, each with
 
 Where it runs: on the train workers after the last epoch (``--eval layerwise``,
 :mod:`gnnray.train.loop`), on their devices; with world size 1 in one Ray task
-for ``jobs/predict.py`` and a finished run resumed (:mod:`gnnray.inference.predict_task`).
+for ``jobs/predict.py`` and a finished run resumed (:mod:`gnnray.inference.layerwise_task`).
 
 How: rank ``r`` of ``W`` takes nodes ``[r N / W, (r + 1) N / W)`` in chunks of
 ``--inference-batch-size``. A chunk's block is rows ``[a, b)`` of the
@@ -26,7 +26,7 @@ passed between processes outside Ray's own calls stays pinned while its
 owner (the rank that put it) lives, and the worker group ends right after.
 
 With ``--feature-shards K`` the tables are sharded instead (``shards=``,
-:mod:`gnnray.train.hidden`): the ranks compute the feature shards' node ranges,
+:mod:`gnnray.train.layerwise_hidden`): the ranks compute the feature shards' node ranges,
 each chunk goes to its range's shard server, and the next layer fetches the
 rows it needs from the servers: a shard node holds its range of two tables,
 2 x table / K, and no node holds a table whole.
@@ -42,9 +42,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from gnnray.batch import Layer
 from gnnray.data.graph import Graph
-from gnnray.pipeline.batch import Layer
-from gnnray.pipeline.feature_reader import FeatureReader, take_rows
+from gnnray.train.feature_reader import FeatureReader, take_rows
+from gnnray.train.layerwise_hidden import Tables
 
 _SPLITS = ("train", "valid", "test")
 
@@ -157,7 +158,7 @@ def infer(model: torch.nn.Module, graph: Graph, inputs: Sequence[FeatureReader],
         rank, world: This rank and the number of ranks (a torch.distributed group when above 1).
         keep_input: Also return the output layer's input rows of the slice (``jobs/predict.py --embeddings``).
         shards: With ``--feature-shards``, the feature shards (``ShardedFeatures``): their servers then hold
-            the hidden tables, a node range each (:mod:`gnnray.train.hidden`), instead of every node whole.
+            the hidden tables, a node range each (:mod:`gnnray.train.layerwise_hidden`), instead of every node whole.
     """
     start = time.perf_counter()
     net = getattr(model, "module", model)
@@ -168,8 +169,6 @@ def infer(model: torch.nn.Module, graph: Graph, inputs: Sequence[FeatureReader],
     if shards is None:
         ranges = [(rank * n // world, (rank + 1) * n // world, None)]
     else:
-        from gnnray.train.hidden import Tables
-
         tables = Tables(shards, rank, world, device)
         ranges = tables.ranges
     readers = [r for r in inputs if r.dim > 0]

@@ -15,7 +15,7 @@ ranks and hands each rank its own piece of every step, in order, so after
 An elastic run (``--num-workers MIN,MAX``) runs this function once per worker
 group: Ray Train restarts it with the new world size at every resize. Its
 stream, made for the group when rank 0 first asks for it, starts at the newest
-checkpoint (``driver/split.py``), and every rank restores that checkpoint.
+checkpoint (``controller/split.py``), and every rank restores that checkpoint.
 """
 
 from __future__ import annotations
@@ -26,24 +26,23 @@ from typing import Iterator, Optional
 
 import torch
 
+from gnnray.batch import MiniBatch, from_arrow
 from gnnray.config import JobConfig
 from gnnray.errors import GnnrayError
 from gnnray.logs import quiet_console
 from gnnray.metrics import TrainMetrics
-from gnnray.pipeline.batch import MiniBatch, from_arrow
-from gnnray.pipeline.feature_reader import reader_for
-from gnnray.pipeline.device_sampler import device_batches
-from gnnray.pipeline.pace import csc_bytes
-from gnnray.pipeline.placement import free_for_features, place
-from gnnray.pipeline.prefetch import Prefetcher
-from gnnray.pipeline.stream import streams
-from gnnray.pipeline.seeds import SeedPlan, plan_key, rank_rows, steps_per_epoch
+from gnnray.models.model import model_for
+from gnnray.seeds import SeedPlan, plan_key, rank_rows, steps_per_epoch, streams
 from gnnray.stack import check_here
 from gnnray.train import checkpoint
+from gnnray.train.device_sampler import device_batches
 from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator
+from gnnray.train.feature_reader import reader_for
+from gnnray.train.gpu_budget import csc_bytes
 from gnnray.train.layerwise import EmbeddingRows, infer, supports_layerwise
-from gnnray.train.model import model_for
+from gnnray.train.placement import free_for_features, place
+from gnnray.train.prefetch import Prefetcher
 from gnnray.train.report import PrivateMemory, Progress, events, log_event, report, saved_config
 from gnnray.train.setup import WorkerSetup
 from gnnray.train.step import seed_dropout, train_epoch
@@ -159,7 +158,7 @@ def prepare(model, state: Optional[dict], cfg: JobConfig) -> tuple:
     """Ray Train: the model in DDP on this worker's device, and its optimizer (restored from ``state``).
 
     GPU ranks keep gnnray's SyncBatchNorm too: torch's reads back to the host on every call
-    (gnnray.train.model.SyncBatchNorm).
+    (gnnray.models.model.SyncBatchNorm).
     """
     import ray.train.torch
 

@@ -4,7 +4,7 @@ The metrics line goes to ``STORAGE_PATH/NAME/metrics.jsonl`` (the driver
 prints it, tools read it) and through ``ray.train.report`` every epoch, with a
 checkpoint when ``checkpoint.Schedule`` says one is due; a checkpoint within an
 epoch (:func:`report_position`) is reported on its own. The run's directory is
-a path or an object store's URI (``gnnray.storage``). The checkpoint is written
+a path or an object store's URI (``gnnray.run_storage``). The checkpoint is written
 in place there and reported to Ray Train without an upload: with
 ``--feature-shards`` each embedding owner writes its own rows from its node, so
 no process gathers the table (``train.checkpoint``), and ``meta.json``, written
@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from gnnray import storage
+from gnnray import run_storage
 from gnnray.heap import trim_heap
-from gnnray.storage import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
+from gnnray.run_storage import METRICS_LOG, PROGRESS_FILE, WORKERS_LOG
 from gnnray.train import checkpoint
 from gnnray.train.embedding import EmbeddingTable
 
@@ -43,14 +43,14 @@ def log_event(run_dir: str, event: str, **fields) -> dict:
     stream as the group starts, then that group's rank 0.
     """
     line = {"event": event, "time": time.time(), **fields}
-    storage.append(storage.join(run_dir, WORKERS_LOG), (json.dumps(line) + "\n").encode())
+    run_storage.append(run_storage.join(run_dir, WORKERS_LOG), (json.dumps(line) + "\n").encode())
     return line
 
 
 def events(run_dir: str) -> list[dict]:
     """The complete lines of the run's :data:`WORKERS_LOG` (none if it has none)."""
     try:
-        text = storage.read_bytes(storage.join(run_dir, WORKERS_LOG)).decode()
+        text = run_storage.read_bytes(run_storage.join(run_dir, WORKERS_LOG)).decode()
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
@@ -66,8 +66,8 @@ class Progress:
     (default :data:`PROGRESS_EVERY_S`)."""
 
     def __init__(self, run_dir: Optional[str], every_s: Optional[float] = None):
-        self._path = storage.join(run_dir, PROGRESS_FILE) if run_dir else None
-        self._every_s = PROGRESS_EVERY_S[storage.is_uri(run_dir or "")] if every_s is None else every_s
+        self._path = run_storage.join(run_dir, PROGRESS_FILE) if run_dir else None
+        self._every_s = PROGRESS_EVERY_S[run_storage.is_uri(run_dir or "")] if every_s is None else every_s
         self._last = 0.0
 
     def update(self, epoch: int, step: int, steps: int) -> None:
@@ -76,7 +76,7 @@ class Progress:
             return
         self._last = now
         try:
-            storage.write_bytes(self._path, f"{epoch} {step} {steps}".encode(), sync=False)
+            run_storage.write_bytes(self._path, f"{epoch} {step} {steps}".encode(), sync=False)
         except OSError:  # only the progress bar misses it: a store's failed request must not end the attempt
             pass
 
@@ -127,7 +127,7 @@ def report(metrics: dict, model, optimizer, rank: int, run_dir: Optional[str],
     # epoch's line after the restart, rather than losing it while its
     # checkpoint exists.
     if run_dir:
-        storage.append(storage.join(run_dir, METRICS_LOG), (json.dumps(metrics) + "\n").encode())
+        run_storage.append(run_storage.join(run_dir, METRICS_LOG), (json.dumps(metrics) + "\n").encode())
     if not save:
         ray.train.report(metrics)
         return
@@ -156,8 +156,8 @@ def _report_with_checkpoint(metrics: dict, model, optimizer, run_dir: Optional[s
     ray_storage = ray.train.get_context().get_storage()  # the same directory as run_dir, resolved by Ray Train
     name = f"checkpoint_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S.%f}"  # Ray's own naming
     fs_path = posixpath.join(ray_storage.experiment_fs_path, name)
-    path = storage.join(run_dir, name) if run_dir else fs_path
-    storage.make_dirs(path)
+    path = run_storage.join(run_dir, name) if run_dir else fs_path
+    run_storage.make_dirs(path)
     # The embedding's files first (written where its rows are), then state.pt, then meta.json listing them all.
     entry = embedding.save(path) if embedding else None
     checkpoint.save(path, getattr(model, "module", model), optimizer, metrics, config=config, embedding=entry)

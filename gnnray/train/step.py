@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gnnray.pipeline.batch import MiniBatch
+from gnnray.batch import MiniBatch
 
 if TYPE_CHECKING:
     from gnnray.metrics import TrainMetrics

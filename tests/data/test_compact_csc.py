@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from gnnray.batch import MiniBatch
 from gnnray.data.csc import build_csc, compact_csc, structure_dtypes, typed_csc
 from gnnray.data.graph import Graph
 from gnnray.data.synthetic import synthetic_hetero_parts, synthetic_parts
 from gnnray.data.validate import validate
-from gnnray.pipeline.batch import MiniBatch
-from gnnray.pipeline.graphbolt import to_dgl, to_graphbolt  # DGL is imported when they are called
-from gnnray.pipeline.sampler import Sampler
+from gnnray.sampler.graphbolt import to_dgl, to_graphbolt  # DGL is imported when they are called
+from gnnray.sampler.sampler import Sampler
 
 
 def parts(typed: bool):
@@ -147,7 +147,7 @@ def torch_threads():
 
 def make_sampler(backend: str, graph: Graph, fanouts, threads: int = 1):
     if backend == "graphbolt":
-        from gnnray.pipeline.graphbolt import GraphBoltSampler
+        from gnnray.sampler.graphbolt import GraphBoltSampler
 
         return GraphBoltSampler(graph, fanouts, threads)
     return Sampler(graph, fanouts, threads=threads)
@@ -224,7 +224,7 @@ def test_sampled_ids_come_in_the_dtype_of_indices(ptr, idx):
 @pytest.mark.dgl
 @pytest.mark.parametrize("ptr, idx", STRUCTURES)
 def test_graphbolt_uses_the_arrays_without_a_copy(torch_threads, ptr, idx):
-    from gnnray.pipeline.graphbolt import GraphBoltSampler
+    from gnnray.sampler.graphbolt import GraphBoltSampler
 
     graph = parts(typed=False).build(True)
     g = dataclasses.replace(graph, indptr=graph.indptr.astype(ptr), indices=graph.indices.astype(idx))

@@ -14,8 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from gnnray.data.synthetic import make_synthetic
 from gnnray.data.graph import Graph
+from gnnray.data.synthetic import make_synthetic
 from gnnray.store.handle import GraphHandle, publish
 
 
@@ -29,7 +29,7 @@ def test_graph_is_held_once_per_node(ray_cluster):
 
         import psutil
 
-        from gnnray.pipeline.sampler import Sampler
+        from gnnray.sampler.sampler import Sampler
 
         libc = ctypes.CDLL("libc.so.6")
 

@@ -24,12 +24,12 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from gnnray import ray_internals, storage
-from gnnray.train import checkpoint
+from gnnray import ray_internals, run_storage
 from gnnray.config import parse_args
 from gnnray.driver.fit import run
-from gnnray.pipeline.seeds import SeedPlan
-from gnnray.storage import METRICS_LOG, WORKERS_LOG
+from gnnray.run_storage import METRICS_LOG, WORKERS_LOG
+from gnnray.seeds import SeedPlan
+from gnnray.train import checkpoint
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # RecordingModel reaches the workers by value
 
@@ -48,7 +48,7 @@ JOB_TIMEOUT_S = 420  # a bound, not a speed claim: runs take 30-120 s here on 2 
 def logged(storage_path, name: str) -> list[dict]:
     """The epochs' metrics rank 0 logged so far (complete lines only), in a directory or an object store."""
     try:
-        text = storage.read_bytes(storage.join(str(storage_path), name, METRICS_LOG)).decode()
+        text = run_storage.read_bytes(run_storage.join(str(storage_path), name, METRICS_LOG)).decode()
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
@@ -170,7 +170,7 @@ def own_stderr(err: str) -> str:
 def write_checkpoints(run_dir: Path, args: list[str], epochs: list[int]) -> list[Path]:
     """Checkpoints as rank 0 writes them (same model, optimizer and format), without training."""
     from gnnray.data.load import load_graph
-    from gnnray.train.model import model_for
+    from gnnray.models.model import model_for
 
     cfg = parse_args(args)
     graph = load_graph(cfg.data)
@@ -241,7 +241,7 @@ class RecordingModel(torch.nn.Module):
 
     def __init__(self, in_feats: int, num_classes: int, cfg, record_dir: str):
         super().__init__()
-        from gnnray.train.model import model_for
+        from gnnray.models.model import model_for
 
         self.net = model_for(in_feats, num_classes, cfg)
         self.record_dir = record_dir
@@ -324,7 +324,7 @@ def attempts(steps: list[Step], steps_per_epoch: int) -> list[tuple[int, list[in
 
 def steps_per_epoch(args: list[str]) -> int:
     """Steps per epoch of the run of ``args`` on the 3000-node synthetic graph (1800 training seeds)."""
-    from gnnray.pipeline.seeds import steps_per_epoch as steps
+    from gnnray.seeds import steps_per_epoch as steps
 
     cfg = parse_args(args)
     return steps(1800, cfg.sampler.batch_size, cfg.train.workers_max)
@@ -338,7 +338,7 @@ def replays(groups: list[tuple[int, list[int]]]) -> list[int]:
 def events(run_dir) -> list[dict]:
     """The lines of an elastic run's workers.jsonl, in a directory or an object store."""
     try:
-        return [json.loads(line) for line in storage.read_bytes(storage.join(str(run_dir), WORKERS_LOG)).splitlines()]
+        return [json.loads(line) for line in run_storage.read_bytes(run_storage.join(str(run_dir), WORKERS_LOG)).splitlines()]
     except FileNotFoundError:
         return []
 

@@ -24,7 +24,7 @@ from drills import (EVERY, JOB_TIMEOUT_S, JobThread, RecordingModel, alive_actor
                     killed_fixed_run, logged, recorded_steps, recorded_steps_fast, replays,
                     steps_per_epoch, wait_until)
 from gnnray.config import parse_args
-from gnnray.pipeline.seeds import SeedPlan
+from gnnray.seeds import SeedPlan
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the recording model reaches the workers by value
 
@@ -94,7 +94,7 @@ def _scenario(cluster, storage: str, tmp_path_factory) -> Scenario:
     import io
     from contextlib import redirect_stdout
 
-    from gnnray import storage as stores
+    from gnnray import run_storage as stores
 
     name = "elastic"
     records = tmp_path_factory.mktemp("elastic-records")
@@ -249,13 +249,13 @@ def test_elastic_split_makes_the_stream_of_each_group_from_the_newest_checkpoint
     step, each rank its piece of every step; logged for the ranks, who restore the same checkpoint."""
     import threading
 
+    from gnnray.batch import MiniBatch, from_arrow
+    from gnnray.controller.split import ElasticSplit
     from gnnray.data.load import load_graph
+    from gnnray.models.model import model_for
+    from gnnray.seeds import plan_key
     from gnnray.store.handle import publish
-    from gnnray.driver.split import ElasticSplit
-    from gnnray.pipeline.batch import MiniBatch, from_arrow
-    from gnnray.pipeline.seeds import plan_key
     from gnnray.train import checkpoint
-    from gnnray.train.model import model_for
 
     args = ELASTIC + ["--epochs", "2", "--storage-path", str(tmp_path), "--name", "split"]
     cfg = parse_args(args)

@@ -223,8 +223,8 @@ def test_sampler_actor_memory_flat_over_epochs(ray_cluster):
 
         import psutil
 
-        from gnnray.pipeline.sampler import SamplerActor
-        from gnnray.pipeline.seeds import SeedPlan
+        from gnnray.sampler.sampler import SamplerActor
+        from gnnray.seeds import SeedPlan
 
         libc = ctypes.CDLL("libc.so.6")
         plan = SeedPlan.for_run(train_idx, 32, 1, 0)

@@ -81,8 +81,8 @@ def test_graph_once_per_node_and_read_locally(ray_cluster, nodes):
         @ray.remote(num_cpus=0)
         class Reader:
             def __init__(self, handle: GraphHandle):
-                from gnnray.pipeline.sampler import SamplerActor
-                from gnnray.pipeline.seeds import SeedPlan
+                from gnnray.sampler.sampler import SamplerActor
+                from gnnray.seeds import SeedPlan
 
                 self.actor = SamplerActor(handle, (5, 5), SeedPlan.for_run(np.arange(64), 64, 1, 0))
 
@@ -125,8 +125,8 @@ def test_job_spreads_workers_and_samplers_over_nodes(ray_cluster, nodes, tmp_pat
     from ray._private.state import actors as actor_table
     from ray.experimental import get_object_locations
 
-    import gnnray.store.handle
     import gnnray.driver.fit
+    import gnnray.store.handle
 
     head, a, b = nodes
     head_cpus = int(next(n for n in ray.nodes() if n["NodeID"] == head)["Resources"]["CPU"])
@@ -300,8 +300,7 @@ def gpu_plan(monkeypatch):
     sets (``asked`` records each probe's nodes), and the driver's own CUDA refused."""
     import torch
 
-    from gnnray.driver import plans, preflight
-    from gnnray.pipeline import pace
+    from gnnray.driver import pace, plans, preflight
 
     def refused(*args, **kwargs):
         raise AssertionError("the driver's own GPU was consulted")
@@ -371,8 +370,7 @@ def test_the_pool_beside_gpu_workers_keeps_pace_with_their_steps(gpu_plan, capsy
 def test_the_gpu_nodes_are_asked_for_their_gpus_memory(ray_cluster, cluster, monkeypatch, capsys):
     """A CPU head node and a simulated GPU node: the probe runs on the GPU node, and where it cannot read a GPU
     (no CUDA driver on this machine) the plan says the memory is unknown and takes the actors."""
-    from gnnray.driver import plans, preflight
-    from gnnray.pipeline import pace
+    from gnnray.driver import pace, plans, preflight
 
     added = cluster.add_node(num_cpus=1, num_gpus=1)
     try:

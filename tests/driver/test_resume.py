@@ -14,13 +14,13 @@ import torch
 
 from drills import (JOB_TIMEOUT_S, REPO, SMALL, JobThread, alive_actors, drop_key, job_command, logged, own_stderr,
                     resumed_run, subprocess_env, wait_until, write_checkpoints)  # noqa: F401 (fixture)
-from gnnray import storage
-from gnnray.train import checkpoint
+from gnnray import run_storage
 from gnnray.config import parse_args
-from gnnray.errors import CheckpointError
 from gnnray.driver.cli import main
 from gnnray.driver.fit import _resume_point
-from gnnray.driver.predict import main as predict
+from gnnray.driver.predict_job import main as predict
+from gnnray.errors import CheckpointError
+from gnnray.train import checkpoint
 
 
 @pytest.mark.parametrize("storage_path", ["s3"], indirect=True)
@@ -28,7 +28,7 @@ def test_driver_killed_then_resubmitted(ray_cluster, storage_path, tmp_path, cap
     """Drill 4: the driver process is killed (SIGKILL) after epoch 1; the same --name and --storage-path resume
     the run from a bucket (a real S3 server: nothing of the run is on a shared disk, the drivers' epoch lines
     included); jobs/predict.py then reads the run from there and writes its output there. A directory's resume
-    is the script run's (tests/test_job.py), through the same storage functions (tests/test_storage.py)."""
+    is the script run's (tests/test_job.py), through the same storage functions (tests/test_run_storage.py)."""
     # Epochs left after the kill (0.4-1 s each here): the run is still training when its driver dies.
     epochs = 20
     args = SMALL + ["--epochs", str(epochs), "--storage-path", storage_path, "--name", "d4"]
@@ -63,20 +63,20 @@ def test_driver_killed_then_resubmitted(ray_cluster, storage_path, tmp_path, cap
     # (the epoch being checkpointed when it was killed may run again).
     assert resumed and resumed[0] in (first[-1], first[-1] + 1) and resumed == list(range(resumed[0], epochs)), done
     assert job.summary.metrics["epoch"] == epochs - 1 and job.summary.restarts == 0
-    run_dir = storage.join(storage_path, "d4")
+    run_dir = run_storage.join(storage_path, "d4")
     assert job.summary.checkpoint.startswith(run_dir + "/checkpoint_")
     console = capsys.readouterr().out
     assert f"resuming run 'd4' from epoch {resumed[0]}" in console and f"epoch={epochs - 1} " in console, console
 
     # Another name in the same storage path starts fresh.
-    assert _resume_point(parse_args(args[:-1] + ["d4-other"]), storage.join(storage_path, "d4-other")) is None
+    assert _resume_point(parse_args(args[:-1] + ["d4-other"]), run_storage.join(storage_path, "d4-other")) is None
     assert _resume_point(parse_args(args), run_dir).epoch == epochs - 1
 
     # jobs/predict.py: the run's directory as --checkpoint, the output beside it.
-    output = storage.join(storage_path, "preds", "d4.parquet")
+    output = run_storage.join(storage_path, "preds", "d4.parquet")
     assert predict(["--checkpoint", run_dir, "--output", output]) == 0
     assert f"output={output}" in capsys.readouterr().out
-    table = pq.read_table(io.BytesIO(storage.read_bytes(output)))
+    table = pq.read_table(io.BytesIO(run_storage.read_bytes(output)))
     assert table.column("id").to_pylist() == list(range(3000)) and table.num_rows == 3000
 
 

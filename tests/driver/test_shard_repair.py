@@ -21,7 +21,7 @@ from gnnray.config import DataConfig, JobConfig, RunConfig
 from gnnray.data.feature_source import SpilledRows
 from gnnray.data.load import load_graph
 from gnnray.driver import launch
-from gnnray.pipeline.feature_reader import reader_for
+from gnnray.train.feature_reader import reader_for
 
 CFG = DataConfig(dataset="synthetic-hetero", synthetic_nodes=4000, synthetic_feat_dim=24, feature_shards=3,
                  feature_cache=0.1)

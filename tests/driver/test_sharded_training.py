@@ -84,7 +84,7 @@ def test_sharded_embeddings_train_as_replicated_ones(shard_nodes, tmp_path):
     # jobs/predict.py rebuilds the run's graph with its shards, and predicts what the replicated run does.
     import pyarrow.parquet as pq
 
-    from gnnray.driver.predict import main as predict
+    from gnnray.driver.predict_job import main as predict
 
     preds = []
     for summary in (replicated, sharded):
@@ -125,7 +125,7 @@ def test_a_killed_embedding_owner_restarts_from_the_bucket_and_resumes_on_one_ta
     from ray import cloudpickle
 
     from drills import RecordingModel, alive_actors
-    from gnnray import storage
+    from gnnray import run_storage
     from gnnray.train import checkpoint
     from gnnray.train.embedding import init_rows
 
@@ -144,7 +144,7 @@ def test_a_killed_embedding_owner_restarts_from_the_bucket_and_resumes_on_one_ta
     (records / "pause-1").unlink()
     job.join()
     assert job.error is None, repr(job.error)
-    assert job.summary.restarts == 1 and job.summary.checkpoint.startswith(storage.join(where, name) + "/")
+    assert job.summary.restarts == 1 and job.summary.checkpoint.startswith(run_storage.join(where, name) + "/")
     assert [m["restarts"] for m in logged(where, name)][-1] == 1 and logged(where, name)[-1]["epoch"] == 2
     assert "embedding shard" in capsys.readouterr().out
     shards = checkpoint.read_meta(job.summary.checkpoint)["embedding"]["shards"]

@@ -36,7 +36,7 @@ def _counting_dataset(ray, rows: int, counter):
 def test_started_split_samples_before_the_ranks_ask_and_splits_equally(ray_cluster):
     import ray.data
 
-    from gnnray.driver.split import StartedSplit
+    from gnnray.controller.split import StartedSplit
 
     @ray_cluster.remote(num_cpus=0)
     class Counter:

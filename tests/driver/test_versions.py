@@ -20,7 +20,7 @@ from gnnray import stack
 from gnnray.driver import preflight
 from gnnray.driver.cli import main
 from gnnray.errors import ClusterError
-from gnnray.storage import METRICS_LOG
+from gnnray.run_storage import METRICS_LOG
 
 
 def _pins(deps: list[str]) -> dict:
@@ -127,8 +127,8 @@ def test_shard_servers_embedding_owners_and_the_inference_task_check_their_node(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from gnnray.inference.layerwise_task import _predict
     from gnnray.store.shards import ShardServer
-    from gnnray.inference.predict_task import _predict
     from gnnray.train.embedding import EmbeddingOwner
 
     env = {**other_versions(tmp_path, {"numpy": "9.9.9"}), stack.DRIVER_ENV: json.dumps(stack.versions())}
@@ -178,9 +178,9 @@ def test_a_sampler_actor_on_a_node_with_another_stack_refuses_to_start(ray_clust
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from conftest import tiny_graph
+    from gnnray.sampler.sampler import SamplerActor
+    from gnnray.seeds import SeedPlan
     from gnnray.store.handle import publish
-    from gnnray.pipeline.sampler import SamplerActor
-    from gnnray.pipeline.seeds import SeedPlan
 
     graph = tiny_graph()
     handle, plan = publish(graph), SeedPlan.for_run(graph.train_idx, 4, 1, 0)

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from conftest import shared_dataset, tiny_graph
+from gnnray.batch import Layer
 from gnnray.config import parse_args
+from gnnray.driver import predict_job
+from gnnray.inference import layerwise_task as inference
+from gnnray.models.model import build_model
 from gnnray.store.handle import publish
-from gnnray.driver import predict
-from gnnray.inference import predict_task as inference
-from gnnray.pipeline.batch import Layer
-from gnnray.pipeline.feature_reader import LocalRows
 from gnnray.train import checkpoint
+from gnnray.train.feature_reader import LocalRows
 from gnnray.train.layerwise import full_block, infer
-from gnnray.train.model import build_model
 from plain_sage import mean_sage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_chunked_layers_equal_the_full_graph_forward(name):
 def test_full_block_is_the_all_neighbor_sample(typed):
     """A chunk's block from the CSC has the edges (and relations) GraphBolt samples with fanout -1."""
     from gnnray.data.synthetic import synthetic_hetero_parts
-    from gnnray.pipeline.sampler import Sampler
+    from gnnray.sampler.sampler import Sampler
 
     graph = synthetic_hetero_parts(300, 4, 8, 8, 0).build() if typed else tiny_graph(num_nodes=90, num_edges=700)
     for a, b in [(0, graph.num_nodes), (0, 13), (40, 71), (graph.num_nodes - 5, graph.num_nodes)]:
@@ -148,7 +148,7 @@ def test_predict_script_writes_parquet(cora_run, ray_cluster, tmp_path):
 
 
 def test_predict_rejects_bad_checkpoints(tmp_path, capsys):
-    assert predict.main(["--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "p.parquet")]) == 2
+    assert predict_job.main(["--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "p.parquet")]) == 2
     assert "no valid checkpoint" in capsys.readouterr().err
 
     # A checkpoint written without a configuration (as before this version) is named as such.
@@ -156,7 +156,7 @@ def test_predict_rejects_bad_checkpoints(tmp_path, capsys):
     ckpt = tmp_path / "checkpoint_old"
     ckpt.mkdir()
     checkpoint.save(str(ckpt), model, torch.optim.Adam(model.parameters()), {"epoch": 0, "best_val_acc": 0.5})
-    assert predict.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "p.parquet")]) == 2
+    assert predict_job.main(["--checkpoint", str(ckpt), "--output", str(tmp_path / "p.parquet")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gnnray: error:") and "no job configuration" in err and "Traceback" not in err
 

@@ -1,6 +1,6 @@
 """Tests of gnnray.graph_store: the numpy Graph, CSC building, the object-store handle, the DGL and GraphBolt views.
 
-The DGL views (gnnray.pipeline.graphbolt) are tested where DGL is installed (marked ``dgl``).
+The DGL views (gnnray.sampler.graphbolt) are tested where DGL is installed (marked ``dgl``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from conftest import mapping_perms, tiny_graph
 from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
+from gnnray.sampler.graphbolt import to_dgl  # imports DGL when called
 from gnnray.store.handle import publish
-from gnnray.pipeline.graphbolt import to_dgl  # imports DGL when called
 
 ARRAYS = ("indptr", "indices", "feat", "label", "train_idx", "valid_idx", "test_idx")
 
@@ -167,7 +167,7 @@ def test_sampler_reads_the_write_protected_store_arrays_in_place(ray_cluster, to
     """The sampler (gnnray's, or GraphBolt's) samples from the store's read-only pages themselves, int64 ``indptr``
     beside int32 ``indices`` too."""
     from gnnray.data.csc import compact_csc
-    from gnnray.pipeline.sampler import make_sampler
+    from gnnray.sampler.sampler import make_sampler
 
     graph = tiny_graph(num_nodes=20_000, num_edges=200_000, seed=5)  # past Ray's 100 KiB inlining: in shared memory
     indptr, indices = compact_csc(graph.indptr, graph.indices)
@@ -182,7 +182,7 @@ def test_sampler_reads_the_write_protected_store_arrays_in_place(ray_cluster, to
     if backend == "graphbolt":  # GraphBolt's graph, made once
         reads.append([(t.data_ptr(), t.numpy().dtype) for t in (sampler._g.csc_indptr, sampler._g.indices)])
     else:  # the arrays gnnray's kernels are given, layer by layer
-        from gnnray.pipeline import pick
+        from gnnray.sampler import pick
 
         draw = pick.sample_layer
 

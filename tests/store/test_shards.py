@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from gnnray.data.feature_source import ArrayRows, Normalized, NpyRows, RandomRows, SyntheticRows
-from gnnray.store.shards import cache_ids, choose_nodes, shard_bounds
 from gnnray.driver.preflight import Node
 from gnnray.errors import ClusterError
+from gnnray.store.shards import cache_ids, choose_nodes, shard_bounds
 from s3_server import STORAGE_KINDS
 
 MiB = 2**20
@@ -128,14 +128,14 @@ def test_parquet_shard_reads_only_the_row_groups_of_its_range(tmp_path, monkeypa
 def test_in_memory_tables_are_spilled_once_per_shard(storage_path, tmp_path):
     """The driver writes a table read into memory as one file per shard (in a directory or a bucket), and
     rebuilds shards from them."""
-    from gnnray import storage
+    from gnnray import run_storage
     from gnnray.data.feature_source import SpilledRows, spill
 
     table = np.random.default_rng(0).standard_normal((1_000, 4)).astype(np.float32)
     bounds = shard_bounds(1_000, 3)
-    where = storage.join(storage_path, "spill")
+    where = run_storage.join(storage_path, "spill")
     spilled = spill(Normalized(ArrayRows(table)), bounds, where, "float16")
-    assert isinstance(spilled, SpilledRows) and all(storage.size(f) for f in spilled.files)
+    assert isinstance(spilled, SpilledRows) and all(run_storage.size(f) for f in spilled.files)
     assert [re.sub("-[0-9a-f]{20}[.]", ".", f.rsplit("/", 1)[-1]) for f in spilled.files] == [
         f"shard-{i}-of-3.npy" for i in range(3)]
     whole = Normalized(ArrayRows(table)).rows(0, 1_000).astype(np.float16)
@@ -153,14 +153,14 @@ def test_in_memory_tables_are_spilled_once_per_shard(storage_path, tmp_path):
 def test_a_spill_is_written_once_for_its_content(storage_path, monkeypatch):
     """A resumed run finds its shards' files, whole, by what they hold, and writes none again; a changed table
     writes the shards that changed, and the files of the old table go; a file cut short is written again."""
-    from gnnray import storage
+    from gnnray import run_storage
     from gnnray.data.feature_source import spill
 
     writes = []
-    save = storage.save_npy
-    monkeypatch.setattr(storage, "save_npy", lambda path, a: writes.append(path) or save(path, a))
+    save = run_storage.save_npy
+    monkeypatch.setattr(run_storage, "save_npy", lambda path, a: writes.append(path) or save(path, a))
     table = np.random.default_rng(0).standard_normal((1_000, 4)).astype(np.float32)
-    bounds, where = shard_bounds(1_000, 3), storage.join(storage_path, "spill")
+    bounds, where = shard_bounds(1_000, 3), run_storage.join(storage_path, "spill")
     first = spill(ArrayRows(table), bounds, where, "float32").files
     assert writes == list(first)
     writes.clear()
@@ -170,10 +170,10 @@ def test_a_spill_is_written_once_for_its_content(storage_path, monkeypatch):
     writes.clear()
     files = spill(ArrayRows(changed), bounds, where, "float32").files
     assert files[:2] == first[:2] and writes == [files[2]] != [first[2]]
-    assert storage.list_files(where) == sorted(f.rsplit("/", 1)[-1] for f in files)
-    storage.write_bytes(files[1], storage.read_bytes(files[1])[:-8])  # as a write cut short would leave it
+    assert run_storage.list_files(where) == sorted(f.rsplit("/", 1)[-1] for f in files)
+    run_storage.write_bytes(files[1], run_storage.read_bytes(files[1])[:-8])  # as a write cut short would leave it
     writes.clear()
     assert spill(ArrayRows(changed), bounds, where, "float32").files == files and writes == [files[1]]
-    assert np.array_equal(storage.npy_rows(files[1], 0, 1_000), changed[bounds[1]:bounds[2]])
+    assert np.array_equal(run_storage.npy_rows(files[1], 0, 1_000), changed[bounds[1]:bounds[2]])
     writes.clear()
     assert not set(spill(ArrayRows(changed), bounds, where, "float16").files) & set(files) and len(writes) == 3

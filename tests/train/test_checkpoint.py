@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from gnnray import storage
+from gnnray import run_storage
 from gnnray.errors import CheckpointError
 from gnnray.train import checkpoint
 from s3_server import STORAGE_KINDS
@@ -25,7 +25,7 @@ def trained_model(seed: int = 0):
 
 
 def save_epoch(directory, epoch: int, seed: int = 0, **extra):
-    storage.make_dirs(str(directory))
+    run_storage.make_dirs(str(directory))
     model, opt = trained_model(seed)
     metrics = dict(epoch=epoch, best_val_acc=0.5 + epoch / 100, loss=1.25, **extra)
     checkpoint.save(str(directory), model, opt, metrics)
@@ -116,33 +116,33 @@ def test_state_and_meta_of_different_steps_is_corrupt(tmp_path):
 
 # Damage as a crash (or a torn copy) leaves it, in a directory or an object store (``d``: a path or a URI).
 def truncate_state(d):
-    p = storage.join(str(d), checkpoint.STATE_FILE)
-    data = storage.read_bytes(p)
-    storage.write_bytes(p, data[: len(data) // 2])
+    p = run_storage.join(str(d), checkpoint.STATE_FILE)
+    data = run_storage.read_bytes(p)
+    run_storage.write_bytes(p, data[: len(data) // 2])
 
 
 def remove_meta(d):
-    storage.delete(storage.join(str(d), checkpoint.META_FILE))
+    run_storage.delete(run_storage.join(str(d), checkpoint.META_FILE))
 
 
 def corrupt_meta(d):
-    storage.write_bytes(storage.join(str(d), checkpoint.META_FILE), b'{"epoch": 3, "state_by')
+    run_storage.write_bytes(run_storage.join(str(d), checkpoint.META_FILE), b'{"epoch": 3, "state_by')
 
 
 def meta_without_fields(d):
-    storage.write_bytes(storage.join(str(d), checkpoint.META_FILE), json.dumps({"epoch": 3}).encode())
+    run_storage.write_bytes(run_storage.join(str(d), checkpoint.META_FILE), json.dumps({"epoch": 3}).encode())
 
 
 def remove_state(d):
-    storage.delete(storage.join(str(d), checkpoint.STATE_FILE))
+    run_storage.delete(run_storage.join(str(d), checkpoint.STATE_FILE))
 
 
 def only_temporary_files(d):
     # a crash before the first rename
     for name in (checkpoint.STATE_FILE, checkpoint.META_FILE):
-        data = storage.read_bytes(storage.join(str(d), name))
-        storage.write_bytes(storage.join(str(d), name + ".tmp"), data)
-        storage.delete(storage.join(str(d), name))
+        data = run_storage.read_bytes(run_storage.join(str(d), name))
+        run_storage.write_bytes(run_storage.join(str(d), name + ".tmp"), data)
+        run_storage.delete(run_storage.join(str(d), name))
 
 
 @STORAGE_KINDS
@@ -151,13 +151,13 @@ def only_temporary_files(d):
 def test_damaged_newest_checkpoint_is_skipped(storage_path, damage):
     run = storage_path
     for epoch in (1, 2, 3):
-        save_epoch(storage.join(run, f"checkpoint_00000{epoch}"), epoch)
-    damage(storage.join(run, "checkpoint_000003"))
-    assert checkpoint.read_info(storage.join(run, "checkpoint_000003")) is None
+        save_epoch(run_storage.join(run, f"checkpoint_00000{epoch}"), epoch)
+    damage(run_storage.join(run, "checkpoint_000003"))
+    assert checkpoint.read_info(run_storage.join(run, "checkpoint_000003")) is None
     best, bad = checkpoint.latest_valid(run)
     assert best is not None and best.epoch == 2
-    assert best.path == storage.join(run, "checkpoint_000002")
-    assert bad == [storage.join(run, "checkpoint_000003")]
+    assert best.path == run_storage.join(run, "checkpoint_000002")
+    assert bad == [run_storage.join(run, "checkpoint_000003")]
 
 
 def test_several_damaged_checkpoints_all_listed(tmp_path):
@@ -234,7 +234,7 @@ def _with_embedding(directory, bounds, n=10, dim=3):
     """A checkpoint whose embedding is in shards ``bounds``; row ``i`` of the table is all ``i``."""
     import numpy as np
 
-    storage.make_dirs(str(directory))
+    run_storage.make_dirs(str(directory))
     shards = []
     for lo, hi in bounds:
         w = np.repeat(np.arange(lo, hi, dtype=np.float32)[:, None], dim, axis=1)
@@ -250,7 +250,7 @@ def test_embedding_rows_read_across_any_shards(storage_path):
     """A reader takes its rows from whichever saved shards overlap them: K=3 files read as K=2 ranges."""
     import numpy as np
 
-    d = storage.join(storage_path, "checkpoint_e")
+    d = run_storage.join(storage_path, "checkpoint_e")
     _with_embedding(d, [(0, 3), (3, 7), (7, 10)])
     assert checkpoint.read_info(str(d)) is not None
     assert checkpoint.corrupt_reason(str(d), ("embedding",)) is None  # the table is in its files, not state.pt
@@ -265,13 +265,13 @@ def test_embedding_rows_read_across_any_shards(storage_path):
 @STORAGE_KINDS
 def test_damaged_embedding_shards(storage_path):
     """A shard file cut short makes the checkpoint incomplete; shards that leave rows out make it corrupt."""
-    d = storage.join(storage_path, "checkpoint_short")
+    d = run_storage.join(storage_path, "checkpoint_short")
     _with_embedding(d, [(0, 5), (5, 10)])
-    path = storage.join(d, checkpoint.EMBEDDING_DIR, "rows-000000000005-000000000010", "exp_avg.npy")
-    storage.write_bytes(path, storage.read_bytes(path)[:-4])
+    path = run_storage.join(d, checkpoint.EMBEDDING_DIR, "rows-000000000005-000000000010", "exp_avg.npy")
+    run_storage.write_bytes(path, run_storage.read_bytes(path)[:-4])
     assert checkpoint.read_info(d) is None
 
-    gap = storage.join(storage_path, "checkpoint_gap")
+    gap = run_storage.join(storage_path, "checkpoint_gap")
     _with_embedding(gap, [(0, 4), (5, 10)])
     assert "do not cover rows 0-10" in checkpoint.corrupt_reason(gap, ("embedding",))
     latest, bad = checkpoint.latest_valid(storage_path, ("embedding",))
@@ -299,7 +299,7 @@ def test_checkpoint_carrying_a_pickled_object_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     save_epoch(tmp_path / "checkpoint_000001", 1)
     bad = tmp_path / "checkpoint_000002"
-    storage.make_dirs(str(bad))
+    run_storage.make_dirs(str(bad))
     model, opt = trained_model()
     checkpoint.save(str(bad), model, opt, dict(epoch=2, best_val_acc=0.5), extra={"payload": _Payload()})
     _UNPICKLED.clear()

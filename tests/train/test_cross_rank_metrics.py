@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from conftest import run_gloo_ranks
 from gnnray.config import JobConfig, ModelConfig, SamplerConfig, TrainConfig
 from gnnray.data.synthetic import make_synthetic
-from gnnray.pipeline.sampler import Sampler
-from gnnray.train.model import model_for
+from gnnray.models.model import model_for
+from gnnray.sampler.sampler import Sampler
 
 # An odd number of validation nodes (int(0.2 * 615) = 123): the ranks evaluate 62 and 61 of them, so
 # averaging the two ranks' accuracies would not give the accuracy over all of them.
@@ -65,9 +65,9 @@ class _Recording(torch.nn.Module):
 def _rank_main(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from gnnray.pipeline.prefetch import Prefetcher
     from gnnray.train.evaluate import Evaluator
     from gnnray.train.loop import train_epoch
+    from gnnray.train.prefetch import Prefetcher
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     cfg, graph = _cfg(), _graph()

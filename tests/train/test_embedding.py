@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from conftest import run_gloo_ranks
-from gnnray.train import checkpoint
 from gnnray.config import DataConfig, parse_args
 from gnnray.data.load import load_graph
 from gnnray.data.synthetic import make_synthetic
-from gnnray.train.embedding import NodeEmbedding, init_rows
 from gnnray.errors import DatasetError
+from gnnray.train import checkpoint
+from gnnray.train.embedding import NodeEmbedding, init_rows
 
 N, DIM, LR = 30, 4, 0.1
 # Rows each rank looks up per step: overlapping, repeated, and disjoint ones.
@@ -205,7 +205,7 @@ def test_featureless_graph_gets_zero_width_features(tmp_path):
 def test_featureless_job_learns_from_structure(ray_cluster, tmp_path):
     """GCN on 2 ranks with --embedding-dim on a graph without features: well above chance; checkpoints hold the table.
 
-    This is also the test that GCN trains through the job (GAT's is in tests/train/test_model.py).
+    This is also the test that GCN trains through the job (GAT's is in tests/models/test_model.py).
     """
     from gnnray.driver.fit import run
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from gnnray.pipeline.batch import Layer, MiniBatch
+from gnnray.batch import Layer, MiniBatch
 from gnnray.train import checkpoint
 from gnnray.train.embedding import NodeEmbedding, create_owners, init_rows
 from test_embedding import dgl_sparse_adam
@@ -215,7 +215,7 @@ def _packed(i: int, n: int, width: int = 12):
 def test_lookups_ahead_give_the_rows_of_their_step():
     """Rows read on the prefetch thread before earlier steps landed are brought up to date: the same table as
     lookups made at each step."""
-    from gnnray.pipeline.prefetch import Prefetcher
+    from gnnray.train.prefetch import Prefetcher
 
     n, feat_dim, batches = 30, 3, 12  # few nodes: consecutive batches share rows
     feat = np.random.default_rng(0).standard_normal((n, feat_dim)).astype(np.float32)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gnnray.pipeline.batch import Layer, MiniBatch
+from gnnray.batch import Layer, MiniBatch
 from gnnray.train.step import train_epoch
 
 NUM_CLASSES, FEAT_DIM = 3, 4
@@ -120,7 +120,7 @@ def test_no_host_sync_per_step_on_cuda():
 def _masks(seed: int, rank: int, epoch: int, step: int = 0) -> torch.Tensor:
     """The model's initial weights (from the run seed, as the loop builds them) and a dropout mask drawn after
     ``seed_dropout``."""
-    from gnnray.train.dropout import Dropout
+    from gnnray.models.dropout import Dropout
     from gnnray.train.step import seed_dropout
 
     torch.manual_seed(seed)
@@ -138,7 +138,7 @@ def test_ranks_draw_their_own_dropout_masks_each_epoch():
     assert not torch.equal(rank0, _masks(7, 0, 0, step=5)[1])  # a restart mid-epoch does not replay the start
     assert not torch.equal(rank0, _masks(8, 0, 0)[1])
     assert torch.equal(rank0, _masks(7, 0, 0)[1])  # and reproducible
-    from gnnray.train.dropout import Dropout
+    from gnnray.models.dropout import Dropout
 
     torch.manual_seed(7)  # what every rank drew from before: the run seed's stream
     torch.nn.Linear(8, 8)
