@@ -198,7 +198,8 @@ def test_what_the_other_processes_import_loads_no_torch():
     (a torch-free module of ``train/`` the driver reads stays torch-free): what the rule above leaves to hold."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     edges = {m: {t for t in module_level_imports(p) if t in modules and t != m} for m, p in modules.items()}
-    torch = {m for m, p in modules.items() if any(n == "torch" or n.startswith("torch.") for n in module_level_imports(p))}
+    torch = {m for m, p in modules.items()
+             if any(n == "torch" or n.startswith("torch.") for n in module_level_imports(p))}
 
     def loads_torch(m: str, seen: set) -> bool:
         if m in torch:

@@ -25,7 +25,8 @@ sys.path.insert(0, sys.argv[1])
 import numpy as np
 import torch
 
-import gnnray.batch, gnnray.train.prefetch, gnnray.train.step, gnnray.models.model, gnnray.models.conv, gnnray.models.dropout
+import gnnray.batch, gnnray.train.prefetch, gnnray.train.step
+import gnnray.models.model, gnnray.models.conv, gnnray.models.dropout
 from bench.gpu.batches import RELATIONS, synthetic_batch
 from gnnray.models.model import MODELS, build_model
 from gnnray.train.feature_reader import LocalRows

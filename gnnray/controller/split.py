@@ -1,15 +1,20 @@
-"""The train stream's split over the ranks, made and started by the driver, handed to Ray Train as its ``DataConfig``.
+"""The train stream's split over the ranks, handed to Ray Train as its ``DataConfig``: code that Ray Train's
+controller side runs on the run's behalf.
+
+Why a folder of its own: this code is made by the driver but runs in Ray
+Train's processes. Ray Train unpickles the config in its controller and calls
+``configure`` in its dataset-manager actor (on the controller's node) when
+rank 0 first asks for its shard; an elastic run's :class:`ElasticSplit`
+builds each worker group's stream there (``driver/stream.py``, from the start
+that :class:`~gnnray.train.stream_start.StreamStart` decides). So it imports
+no torch at module level, and what it needs it imports when it runs.
 
 Ray Train splits a dataset only when rank 0 first asks for its shard, once
 the workers have started and imported everything: only then would the split
 coordinator and the sampler actors start, and sample the first batch. Made
-by the driver just before ``trainer.fit()``, they start while Ray Train starts
-its controller and workers, and the first batches (within ``--max-ahead``)
-are waiting when the workers ask.
-
-This module imports no torch: Ray Train's dataset manager unpickles the
-config, and should not pay for more than it uses (an elastic run's
-:class:`ElasticSplit` imports what it needs when it builds a stream).
+by the driver just before ``trainer.fit()`` (:mod:`gnnray.driver.attempt`),
+they start while Ray Train starts its controller and workers, and the first
+batches (within ``--max-ahead``) are waiting when the workers ask.
 """
 
 from __future__ import annotations
@@ -107,25 +112,26 @@ class ElasticSplit(DataConfig):
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
         from gnnray.driver.console import quiet_ray
         from gnnray.driver.stream import execution_options, minibatch_stream
-        from gnnray.seeds import SeedPlan, plan_key
+        from gnnray.seeds import SeedPlan
         from gnnray.train import checkpoint
         from gnnray.train.report import events, log_event
+        from gnnray.train.stream_start import StreamStart
 
         cfg = self._cfg
         quiet_ray(cfg.run.verbose)  # this process's Ray Data logs, and the stream's, as the driver keeps its own
         latest, _ = checkpoint.latest_valid(self._run_dir, ("embedding",) if cfg.data.embedding_dim else ())
-        epoch, step = checkpoint.next_position(
-            latest, plan_key(len(self._train_idx), cfg.sampler.batch_size, cfg.train.num_workers))
         log = events(self._run_dir)
         fit = max((i for i, e in enumerate(log) if e["event"] == "fit"), default=-1)
-        attempt = sum(1 for e in log[fit + 1:] if e["event"] == "start")
-        log_event(self._run_dir, "start", world_size=world_size, epoch=epoch, step=step, attempt=attempt,
-                  checkpoint=latest.path if latest else None)
-        if epoch >= cfg.train.epochs:  # finished before this group started: its ranks return at once
+        start = StreamStart.after(latest, cfg, len(self._train_idx),
+                                  restarts=sum(1 for e in log[fit + 1:] if e["event"] == "start"))
+        log_event(self._run_dir, "start", world_size=world_size, epoch=start.epoch, step=start.step,
+                  attempt=start.restarts, checkpoint=start.checkpoint)
+        if start.epoch >= cfg.train.epochs:  # finished before this group started: its ranks return at once
             return [{"train": None} for _ in range(world_size)]
         plan = SeedPlan.elastic(self._train_idx, cfg.sampler.batch_size, cfg.train.workers_max, world_size,
                                 cfg.run.seed)
-        stream = minibatch_stream(cfg, self._graph, plan, epoch, cpu=self._cpu, first_step=step, stack=self._stack)
+        stream = minibatch_stream(cfg, self._graph, plan, start.epoch, cpu=self._cpu, first_step=start.step,
+                                  stack=self._stack)
         return StartedSplit(stream, world_size, execution_options()).configure(datasets, world_size, None, None)
 
     def __deepcopy__(self, memo):  # Ray Train copies its config: nothing here changes

@@ -158,7 +158,8 @@ class SpilledRows(FeatureSource):
         self.num_rows, self.dim, self.dtype = self.bounds[-1], shape[1], dtype
 
     def rows(self, lo, hi, label=None):
-        parts = [_read_spill(run_storage.npy_rows, f, max(lo, a) - a, min(hi, b) - a) for f, a, b in self._files(lo, hi)]
+        parts = [_read_spill(run_storage.npy_rows, f, max(lo, a) - a, min(hi, b) - a)
+                 for f, a, b in self._files(lo, hi)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def part(self, lo, hi):

@@ -6,15 +6,14 @@ The stages it wires are listed in ``gnnray/__init__.py``.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from gnnray import ray_internals, stack, run_storage
+from gnnray import stack
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
 from gnnray.data.load import check_dataset
-from gnnray.driver import connect, launch, plans, preflight
+from gnnray.driver import attempt, connect, launch, plans, preflight
 from gnnray.driver.failures import one_line, rank_error, stack_mismatch
 from gnnray.errors import CheckpointError, ClusterError, ConfigError
 from gnnray.store.handle import GraphHandle
@@ -90,6 +89,7 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
     from gnnray.train import checkpoint
     from gnnray.train.placement import feature_line
     from gnnray.train.setup import WorkerSetup
+    from gnnray.train.stream_start import StreamStart
 
     graph = pub.graph
     cfg, use_gpu = connect.resolve_gpu(cfg, pub.local)
@@ -108,24 +108,24 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
             console.say(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
                         "(use a new --name, or more --epochs to continue)")
             return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory), restarts)
-        first_epoch, first_step = checkpoint.next_position(latest, _plan(cfg, graph))
-        if latest and latest.step != first_step:
-            console.say(f"note: {latest.path} was written within epoch {first_epoch} under another --batch-size "
-                        f"or --num-workers; epoch {first_epoch} starts over")
+        start = StreamStart.after(latest, cfg, len(graph.train_idx), restarts)  # an elastic group's: ElasticSplit
+        if latest and latest.step != start.step:
+            console.say(f"note: {latest.path} was written within epoch {start.epoch} under another --batch-size "
+                        f"or --num-workers; epoch {start.epoch} starts over")
         if latest:
-            console.say(f"resuming run {cfg.run.name!r} from epoch {first_epoch}"
-                        + (f" step {first_step}" if first_step else "") + f" ({latest.path})")
-        setup = WorkerSetup(cfg, pub.handle, first_epoch, latest.path if latest else None, restarts, run_dir,
-                            model_factory, owners, cpu, first_step, stack.versions(cfg.sampler.backend))
+            console.say(f"resuming run {cfg.run.name!r} from epoch {start.epoch}"
+                        + (f" step {start.step}" if start.step else "") + f" ({latest.path})")
+        setup = WorkerSetup(cfg, pub.handle, start.epoch, start.checkpoint, restarts, run_dir,
+                            model_factory, owners, cpu, start.step, stack.versions(cfg.sampler.backend))
         if cfg.train.elastic:  # Ray Train resizes and restarts it, all within one fit
             with console.EpochPrinter(run_dir, cfg.train.epochs, cfg.train.num_workers), _not_restarted():
-                _fit_elastic(cfg, setup, graph, use_gpu, pub.local)
+                attempt.build(cfg, setup, graph, use_gpu, pub.local).fit()
             latest, _ = checkpoint.latest_valid(run_dir)
             return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory),
                             int(latest.metrics.get("restarts", 0)))
         try:
             with console.EpochPrinter(run_dir, cfg.train.epochs), _not_restarted():
-                _fit(cfg, setup, graph, use_gpu, pub.local)
+                attempt.build(cfg, setup, graph, use_gpu, pub.local).fit()
         except ray.train.TrainingFailedError as e:
             if restarts >= cfg.run.max_failures:
                 raise
@@ -159,12 +159,6 @@ def _not_restarted():
         raise
 
 
-def _plan(cfg: JobConfig, graph: Graph) -> list:
-    from gnnray.seeds import plan_key
-
-    return plan_key(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.num_workers)
-
-
 def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tuple] = None) -> Optional[tuple]:
     """With ``--feature-shards`` and ``--embedding-dim``: the embedding shards' owners, beside the feature shards.
 
@@ -190,116 +184,6 @@ def _embedding_owners(cfg: JobConfig, pub: launch.Published, owners: Optional[tu
                          cfg.train.embedding_lr or cfg.train.lr, cfg.run.seed)
 
 
-def _fit(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local: bool) -> None:
-    """One Ray Train attempt over the stream of sampled mini-batches."""
-    import ray.train
-    from gnnray.train.process_group import ProcessGroupConfig
-
-    from gnnray.controller.split import StartedSplit, split_by_driver
-    from gnnray.driver.stream import execution_options, minibatch_stream
-    from gnnray.sampler.sampler import packed_bytes_at_most
-    from gnnray.seeds import SeedPlan, streams
-    from gnnray.train.loop import train_loop
-
-    ray_internals.start_train_singletons(coordinator=not local or streams(cfg))
-    if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    workers = cfg.train.workers_max
-    # Where actors sample, a batch's bytes at most size the stream's blocks (the read-ahead holds them).
-    row_bytes = packed_bytes_at_most(graph, cfg.sampler.fanouts, cfg.sampler.batch_size) \
-        if cfg.sampler.sample_on != "device" else 0
-    plan = SeedPlan.for_run(graph.train_idx, cfg.sampler.batch_size, workers, cfg.run.seed, row_bytes)
-    selectors = plans.beside_shards(cfg, setup.graph, use_gpu, preflight.nodes())  # None: Ray Train places them
-    placed = sum(1 for s in selectors or () if s)
-    if setup.graph.features is not None and placed < workers:
-        from gnnray.driver import console
-
-        console.say(f"note: {placed} of {workers} train workers placed beside a feature shard (the "
-                    f"shard nodes' CPUs and GPUs, less room for sampler actors, hold no more); Ray Train places the "
-                    f"others")
-    split = None
-    if streams(cfg):  # otherwise each worker computes its own seed rows and samples them
-        stream = minibatch_stream(cfg, setup.graph, plan, setup.first_epoch, cpu=setup.cpu,
-                                  first_step=setup.first_step, stack=setup.stack)
-        split = StartedSplit(stream, workers, execution_options())
-    trainer = ray_internals.lean_trainer(local)(
-        train_loop,
-        train_loop_config={"setup": setup},
-        backend_config=ProcessGroupConfig(),  # TorchConfig's work without torch in the controller
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=workers, use_gpu=use_gpu,
-            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
-            label_selector=selectors,
-        ),
-        run_config=ray.train.RunConfig(
-            name=cfg.run.name,
-            storage_path=run_storage.normalize(cfg.run.storage_path),  # run_dir is its NAME directory
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
-            # Restarts are the driver's (see run): the seed stream must restart
-            # at the checkpoint's epoch, which only a new dataset can do. That
-            # includes node preemptions, which Ray Train would otherwise retry
-            # itself, from the attempt's first epoch.
-            failure_config=ray.train.FailureConfig(max_failures=0, max_preemption_failures=0),
-            logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
-        ),
-        # Split with equal=True, so every rank gets the same row count; by the driver, and started, so that
-        # the sampler pool starts while Ray Train starts its workers (StartedSplit), not when they ask.
-        **(dict(datasets={"train": split_by_driver}, dataset_config=split) if split else {}),
-    )
-    try:
-        trainer.fit()
-    finally:
-        if split:
-            split.shutdown()
-
-
-def _fit_elastic(cfg: JobConfig, setup: WorkerSetup, graph: Graph, use_gpu: bool, local: bool) -> None:
-    """An elastic run: one Ray Train fit of ``--num-workers MIN,MAX`` workers, resized and restarted by Ray Train.
-
-    Ray Train starts the group once MIN workers fit (asking the autoscaler
-    for MAX), and restarts the training function whenever it resizes the
-    group (nodes joined, every ``--resize-interval`` seconds it looks) or the
-    group fails (a node lost or drained, a worker raised): failures up to
-    ``--max-failures``, preemptions always. Every start gets its stream from
-    :class:`~gnnray.controller.split.ElasticSplit`, made for its world size from
-    the newest checkpoint; the driver only watches (``console.EpochPrinter``
-    prints the resizes). The dashboard shows each start as an attempt of the run.
-    """
-    import ray.train
-    from gnnray.train.process_group import ProcessGroupConfig
-
-    from gnnray.controller.split import ElasticSplit, split_by_driver
-    from gnnray.train.loop import train_loop
-    from gnnray.train.report import log_event
-
-    ray_internals.start_train_singletons()
-    if local:  # nothing drains the node of a local cluster; the watcher would be one more process to start
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    log_event(setup.run_dir, "fit", num_workers=list(cfg.train.num_workers))  # attempts count from here
-    trainer = ray_internals.lean_trainer(local)(
-        train_loop,
-        train_loop_config={"setup": setup},
-        backend_config=ProcessGroupConfig(),  # TorchConfig's work without torch in the controller
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=(cfg.train.workers_min, cfg.train.workers_max), use_gpu=use_gpu,
-            resources_per_worker={"CPU": cfg.train.cpus_per_worker, **({"GPU": 1} if use_gpu else {})},
-            elastic_resize_monitor_interval_s=cfg.train.resize_interval,
-        ),
-        run_config=ray.train.RunConfig(
-            name=cfg.run.name,
-            storage_path=run_storage.normalize(cfg.run.storage_path),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
-            # Ray Train restarts the group from the newest checkpoint, the stream with it (ElasticSplit):
-            # failures up to --max-failures, preemptions (a drained node) whenever they come.
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures, max_preemption_failures=-1),
-            logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
-        ),
-        datasets={"train": split_by_driver},
-        dataset_config=ElasticSplit(cfg, setup.graph, graph.train_idx, setup.run_dir, setup.cpu, setup.stack),
-    )
-    trainer.fit()
-
-
 def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph, handle: GraphHandle,
                 model_factory: Optional[ModelFactory]) -> checkpoint.CheckpointInfo:
     """With ``--eval layerwise``, the last checkpoint with layer-wise accuracies.
@@ -319,12 +203,13 @@ def _final_eval(cfg: JobConfig, latest: checkpoint.CheckpointInfo, graph: Graph,
     m = latest.metrics
     if m.get("eval") != "layerwise":
         # ``embedding``: the checkpoint directory, whose embedding shard files the inference task reads.
-        model, embedding = layerwise_task.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes, model_factory)
+        model, embedding = layerwise_task.load_model(latest.path, cfg, handle.feat_dim, graph.num_classes,
+                                                     model_factory)
         if not layerwise_task.supports_layerwise(model):
             console.say(f"note: {type(model).__name__} has no layer(i, layer, h): final accuracies are sampled")
             return latest
-        result = layerwise_task.run(graph, handle, model, embedding=embedding, batch_size=cfg.train.inference_batch_size,
-                               use_gpu=cfg.train.use_gpu)
+        result = layerwise_task.run(graph, handle, model, embedding=embedding,
+                                    batch_size=cfg.train.inference_batch_size, use_gpu=cfg.train.use_gpu)
         update = {"eval": "layerwise", "val_acc_layerwise": result.accuracy["valid"],
                   "test_acc": result.accuracy["test"], "inference_s": result.seconds}
         if "test_acc" in m:

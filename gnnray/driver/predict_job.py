@@ -77,7 +77,8 @@ def _checkpoint_config(path: str):
                           "gnnray); retrain, or call gnnray.inference.layerwise_task.run with the model yourself")
     if meta["config"].get("custom_model"):
         raise ConfigError(f"--checkpoint {info.path}: trained with a custom model factory that predict.py cannot "
-                          "rebuild; call gnnray.inference.layerwise_task.load_model with it and gnnray.inference.layerwise_task.run")
+                          "rebuild; call gnnray.inference.layerwise_task.load_model with it and "
+                          "gnnray.inference.layerwise_task.run")
     return from_dict(meta["config"]), info.path
 
 

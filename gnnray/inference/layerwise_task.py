@@ -106,7 +106,8 @@ class CheckpointRows(SliceRows):
         info = checkpoint.embedding_info(directory)
         shards = info["shards"]
         if shards:
-            slices = [(s["lo"], run_storage.mapped_npy(run_storage.join(directory, s["dir"], "weight.npy"))) for s in shards]
+            slices = [(s["lo"], run_storage.mapped_npy(run_storage.join(directory, s["dir"], "weight.npy")))
+                      for s in shards]
         else:
             state = checkpoint.load_state(directory, mmap=True)
             slices = [(0, state["embedding"]["weight"].numpy())]

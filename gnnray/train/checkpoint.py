@@ -5,7 +5,7 @@ A checkpoint's position is ``(epoch, step)``: ``epoch`` is the last completed
 epoch (``-1``: none) and ``step`` the steps done of the next one (``0`` at an
 epoch's end), so code that reads only ``epoch`` treats a checkpoint within an
 epoch as the epoch before it, and a run is finished only by the checkpoint at
-the end of its last epoch. Resume continues at :func:`next_position`.
+the end of its last epoch. Resume continues at :func:`gnnray.train.stream_start.next_position`.
 
 A checkpoint directory holds ``state.pt`` (model, optimizer, epoch, best
 validation accuracy), with ``--embedding-dim`` one directory per embedding
@@ -71,20 +71,6 @@ class CheckpointInfo:
     epoch: int
     metrics: dict
     step: int = 0
-
-
-def next_position(info: Optional[CheckpointInfo], plan: Optional[list] = None) -> tuple[int, int]:
-    """``(epoch, step)`` where training continues after checkpoint ``info`` (``(0, 0)`` without one).
-
-    A checkpoint within an epoch written under another seed plan than ``plan``
-    (``seeds.plan_key``: another ``--batch-size`` or ``--num-workers``)
-    continues at the start of its epoch: its step count means other seeds now.
-    """
-    if info is None:
-        return 0, 0
-    if info.step and plan is not None and info.metrics.get("plan") != plan:
-        return info.epoch + 1, 0
-    return info.epoch + 1, info.step
 
 
 class Schedule:

@@ -21,7 +21,6 @@ checkpoint (``controller/split.py``), and every rank restores that checkpoint.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -47,33 +46,7 @@ from gnnray.train.report import PrivateMemory, Progress, events, log_event, repo
 from gnnray.train.setup import WorkerSetup
 from gnnray.train.step import seed_dropout, train_epoch
 from gnnray.train.step_checkpoints import StepCheckpoints
-
-
-@dataclass(frozen=True)
-class StreamStart:
-    """Where this worker group's stream starts and the checkpoint that holds the model of that point.
-
-    Attributes:
-        epoch, step: The stream's first step.
-        checkpoint: The checkpoint to restore (``None``: start fresh).
-        restarts: Restarts before this group (driver restarts, or Ray Train's in an elastic run).
-    """
-
-    epoch: int
-    step: int
-    checkpoint: Optional[str]
-    restarts: int
-
-    @staticmethod
-    def of(setup: WorkerSetup, world: int) -> "StreamStart":
-        """The driver's choice (a fixed run), or what this elastic group's stream logged when it was made."""
-        if not setup.cfg.train.elastic:
-            return StreamStart(setup.first_epoch, setup.first_step, setup.resume_from, setup.restarts)
-        start = [e for e in events(setup.run_dir) if e["event"] == "start"][-1]
-        if start["world_size"] != world:
-            raise GnnrayError(f"the stream was made for {start['world_size']} workers and this worker group has "
-                              f"{world}: does another run of --name {setup.cfg.run.name!r} write to {setup.run_dir}?")
-        return StreamStart(start["epoch"], start["step"], start["checkpoint"], start["attempt"])
+from gnnray.train.stream_start import StreamStart
 
 
 def train_loop(config: dict) -> None:
@@ -98,7 +71,8 @@ def train_loop(config: dict) -> None:
     # An elastic group's stream is made when rank 0 first asks for it, and says where it starts: asked first, so
     # that its sampler pool starts while the model is built.
     shard = ray.train.get_dataset_shard("train") if cfg.train.elastic else None
-    begin = StreamStart.of(setup, world)  # the stream starts there; the checkpoint holds the model of that point
+    # The stream starts there; the checkpoint holds the model of that point.
+    begin = StreamStart.of(setup, world, events(setup.run_dir))
     if begin.epoch >= cfg.train.epochs:  # an elastic run that finished just before this group started
         return
     device = ray.train.torch.get_device()

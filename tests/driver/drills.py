@@ -338,7 +338,8 @@ def replays(groups: list[tuple[int, list[int]]]) -> list[int]:
 def events(run_dir) -> list[dict]:
     """The lines of an elastic run's workers.jsonl, in a directory or an object store."""
     try:
-        return [json.loads(line) for line in run_storage.read_bytes(run_storage.join(str(run_dir), WORKERS_LOG)).splitlines()]
+        log = run_storage.read_bytes(run_storage.join(str(run_dir), WORKERS_LOG))
+        return [json.loads(line) for line in log.splitlines()]
     except FileNotFoundError:
         return []
 

@@ -13,7 +13,8 @@ from drills import REPO
 
 def test_driver_modules_import_no_torch_and_no_ray_train():
     """What runs before Ray starts stays light: torch is imported in a thread while Ray starts."""
-    code = ("import sys, gnnray.driver.cli, gnnray.driver.fit, gnnray.driver.launch; "
+    code = ("import sys, gnnray.driver.cli, gnnray.driver.fit, gnnray.driver.attempt, gnnray.driver.launch, "
+            "gnnray.driver.plans, gnnray.driver.pace, gnnray.driver.stream, gnnray.train.stream_start; "
             "print(sorted(m for m in ('torch', 'dgl', 'numba', 'ray.train', 'ray.data') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

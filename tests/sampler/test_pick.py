@@ -11,72 +11,15 @@ biases, so that it can tell.
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import tiny_graph
-from gnnray.data.csc import csc_from_edges
 from gnnray.data.graph import Graph
 from gnnray.sampler.sampler import Sampler
-
-# (in-degree, fanout): Floyd's algorithm with few and many repeats, and selection sampling (10 * d < k * k).
-CASES = [(12, 10), (40, 10), (300, 10), (7, 3), (30, 25), (100, 40), (500, 40)]
-DRAWS = 3000
-
-
-def star_graph(degrees: list[int]) -> tuple[Graph, np.ndarray]:
-    """Destination ``i`` has ``degrees[i]`` in-edges from sources of its own: the source names its position."""
-    first = np.concatenate([[0], np.cumsum(degrees)]) + len(degrees)
-    src = np.concatenate([np.arange(a, a + d) for a, d in zip(first[:-1], degrees)])
-    dst = np.repeat(np.arange(len(degrees)), degrees)
-    n = int(first[-1])
-    indptr, indices = csc_from_edges(src, dst, n)
-    graph = Graph(indptr, indices, np.zeros((n, 0), np.float32), np.zeros(n, np.int64), np.arange(len(degrees)),
-                  np.arange(0), np.arange(0), 2)
-    return graph, first[:-1]
-
-
-def draw_counts(draw, degrees: list[int], first: np.ndarray, draws: int) -> list[np.ndarray]:
-    """Per destination, how often each of its in-edges was picked over ``draws`` calls of ``draw(r)`` (a
-    :class:`MiniBatch` of one layer whose seeds are the destinations)."""
-    counts = [np.zeros(d, np.int64) for d in degrees]
-    for r in range(draws):
-        mb = draw(r)
-        layer = mb.layers[0]
-        src = mb.input_nodes.numpy()[layer.indices.numpy()]
-        indptr = layer.indptr.numpy()
-        for i, d in enumerate(degrees):
-            pos = src[indptr[i]:indptr[i + 1]] - first[i]
-            assert len(np.unique(pos)) == len(pos), "an in-edge picked twice in one draw"
-            counts[i] += np.bincount(pos, minlength=d)
-    return counts
-
-
-def chi2_bar(dof: int, z: float = 5.0) -> float:
-    """The chi-square quantile at ``z`` standard deviations (Wilson-Hilferty; within 1% from a few dof up)."""
-    h = 2 / (9 * dof)
-    return dof * (1 - h + z * math.sqrt(h)) ** 3
-
-
-def inclusion_statistic(counts: list[np.ndarray], fanout: int, draws: int) -> tuple[float, int]:
-    """The chi-square statistic of inclusion counts against ``k / d`` per in-edge, and its degrees of freedom.
-
-    For a uniform k-subset of d, each in-edge is in with p = k/d, variance p(1-p), and two in-edges covary by
-    -p(1-p)/(d-1); the counts' quadratic form scaled by (d-1)/d is then chi-square with d-1 degrees of freedom.
-    """
-    stat, dof = 0.0, 0
-    for c in counts:
-        d = len(c)
-        if d <= fanout:
-            assert np.all(c == draws)  # all in-edges, every time
-            continue
-        p = fanout / d
-        stat += float(((c - draws * p) ** 2).sum()) / (draws * p * (1 - p) * d / (d - 1))
-        dof += d - 1
-    return stat, dof
+from sampling_checks import CASES, DRAWS, chi2_bar, draw_counts, inclusion_statistic, star_graph, typed_graph
 
 
 def _one_layer(graph: Graph, fanout: int, seeds: np.ndarray, **kwargs):
@@ -261,8 +204,6 @@ def test_graphbolt_draws_the_same_marginals(degree, fanout):
 @pytest.mark.dgl
 def test_graphbolt_and_ours_keep_the_same_edges_per_relation():
     from gnnray.sampler.graphbolt import GraphBoltSampler
-    from test_sampling import typed_graph
-
     from gnnray.config import Fanouts
 
     graph = typed_graph(num_nodes=80, num_edges=2000, seed=3)

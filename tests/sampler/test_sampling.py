@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -21,78 +20,10 @@ from gnnray.config import Fanouts, from_dict, parse_args
 from gnnray.data.graph import Graph
 from gnnray.errors import ConfigError
 from gnnray.sampler.sampler import Sampler, SamplerActor, make_sampler
+from sampling_checks import (FANOUTS, GRAPHS, TYPED_FANOUTS, check_batch, check_typed_batch, compact, typed_graph,
+                             wide_indptr)
 
 BACKENDS = ["native", pytest.param("graphbolt", marks=pytest.mark.dgl)]
-
-GRAPHS = {
-    "tiny": lambda: tiny_graph(),
-    # Many duplicate edges (multigraph) and a few high in-degree nodes.
-    "multi": lambda: tiny_graph(num_nodes=12, num_edges=150, seed=3),
-    "random500": lambda: tiny_graph(num_nodes=500, num_edges=4000, seed=1),
-    # The structure as the loader stores it (compact_csc): int32 below 2**31 edges.
-    "multi-int32": lambda: compact(tiny_graph(num_nodes=12, num_edges=150, seed=3)),
-    "random500-int32": lambda: compact(tiny_graph(num_nodes=500, num_edges=4000, seed=1)),
-    # Past 2**31 edges: int64 offsets beside int32 node ids.
-    "random500-mixed": lambda: wide_indptr(compact(tiny_graph(num_nodes=500, num_edges=4000, seed=1))),
-}
-FANOUTS = [(2,), (3, 2), (-1, 4), (5, -1, 2), (-1, -1)]
-
-
-def compact(graph: Graph) -> Graph:
-    from gnnray.data.csc import compact_csc
-
-    indptr, indices = compact_csc(graph.indptr, graph.indices)
-    assert indices.dtype == np.int32
-    return dataclasses.replace(graph, indptr=indptr, indices=indices)
-
-
-def wide_indptr(graph: Graph) -> Graph:
-    return dataclasses.replace(graph, indptr=graph.indptr.astype(np.int64))
-
-
-def in_edge_counts(graph: Graph, v: int) -> Counter:
-    return Counter(graph.indices[graph.indptr[v]:graph.indptr[v + 1]].tolist())
-
-
-def layer_global_ids(mb: MiniBatch) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(src global ids, dst global ids) of every block, input layer first."""
-    src = mb.input_nodes.numpy()
-    out = []
-    for layer in mb.layers:
-        assert layer.num_src == len(src)
-        dst = src[:layer.num_dst]
-        out.append((src, dst))
-        src = dst
-    return out
-
-
-def check_batch(graph: Graph, fanouts, seeds: np.ndarray, mb: MiniBatch) -> None:
-    assert len(mb.layers) == len(fanouts)
-    ids = layer_global_ids(mb)
-    # The last block's destinations are the seeds, in order; labels follow them.
-    assert mb.seeds.tolist() == seeds.tolist()
-    assert ids[-1][1].tolist() == seeds.tolist()
-    assert mb.labels.tolist() == graph.label[seeds].tolist()
-    for i, (layer, fanout, (src, dst)) in enumerate(zip(mb.layers, fanouts, ids)):
-        indptr, indices = layer.indptr.numpy(), layer.indices.numpy()
-        assert indptr[0] == 0 and indptr[-1] == len(indices)
-        assert np.all(np.diff(indptr) >= 0)
-        assert indices.size == 0 or (indices.min() >= 0 and indices.max() < layer.num_src)
-        assert len(np.unique(src)) == len(src), f"block {i}: duplicate source nodes"
-        # Chained: block i's destinations are block i+1's sources.
-        if i + 1 < len(mb.layers):
-            assert mb.layers[i + 1].num_src == layer.num_dst
-        for j, v in enumerate(dst.tolist()):
-            sampled = Counter(src[indices[indptr[j]:indptr[j + 1]]].tolist())
-            available = in_edge_counts(graph, v)
-            degree = sum(available.values())
-            n = sum(sampled.values())
-            for u, k in sampled.items():
-                assert k <= available[u], f"block {i}: edge {u}->{v} sampled {k}x, graph has {available[u]}"
-            if fanout == -1 or degree <= fanout:
-                assert n == degree, f"block {i}: node {v} has in-degree {degree}, sampled {n} (fanout {fanout})"
-            else:
-                assert n == fanout, f"block {i}: node {v} has in-degree {degree}, sampled {n} (fanout {fanout})"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -217,58 +148,6 @@ def test_more_than_2_31_edges_int64_indptr_beside_int32_indices(tmp_path):
 
 
 # ----------------------------------------------------------------------------- typed graphs: per-relation fanouts
-
-RELATIONS = ("r0", "r1", "r2")
-
-
-def typed_graph(num_nodes: int = 60, num_edges: int = 900, seed: int = 0, int32: bool = False) -> Graph:
-    """Random edges of three relations and their reverses (six), built as the loader builds a typed CSC."""
-    from gnnray.data.csc import compact_csc, typed_csc
-
-    rng = np.random.default_rng(seed)
-    src, dst = rng.integers(0, num_nodes, num_edges), rng.integers(0, num_nodes, num_edges)
-    # Relation r2 is rare, so many nodes have one or two of its edges beside many of the others'.
-    rel = rng.choice(3, num_edges, p=[0.55, 0.4, 0.05]).astype(np.int8)
-    indptr, indices, etype = typed_csc(src, dst, rel, num_nodes, 3, reverse=True, chunk=97)
-    if int32:
-        indptr, indices = compact_csc(indptr, indices)
-    names = RELATIONS + tuple(f"rev_{r}" for r in RELATIONS)
-    return Graph(indptr, indices, np.zeros((num_nodes, 0), np.float32), rng.integers(0, 3, num_nodes),
-                 np.arange(num_nodes), np.arange(0), np.arange(0), 3, "typed", etype=etype,
-                 ntype=np.zeros(num_nodes, np.int8), node_types=("n",), edge_types=tuple(("n", r, "n") for r in names),
-                 target_type="n")
-
-
-def check_typed_batch(graph: Graph, fanouts: Fanouts, seeds: np.ndarray, mb: MiniBatch) -> int:
-    """Each relation's sampled in-edges of each destination: real edges, min(its fanout, its in-degree) of them.
-
-    Returns how many destinations got more in-edges than the default fanout of their layer (several relations'
-    worth: impossible with one draw over all relations).
-    """
-    names = [r for _, r, _ in graph.edge_types]
-    beyond = 0
-    assert mb.seeds.tolist() == seeds.tolist()
-    for i, (layer, (src, dst)) in enumerate(zip(mb.layers, layer_global_ids(mb))):
-        indptr, indices, etype = layer.indptr.numpy(), layer.indices.numpy(), layer.etype.numpy()
-        assert etype.dtype == graph.etype.dtype and etype.shape == indices.shape
-        for j, v in enumerate(dst.tolist()):
-            seg = slice(graph.indptr[v], graph.indptr[v + 1])
-            available = Counter(zip(graph.indices[seg].tolist(), graph.etype[seg].tolist()))
-            sampled = Counter(zip(src[indices[indptr[j]:indptr[j + 1]]].tolist(),
-                                  etype[indptr[j]:indptr[j + 1]].tolist()))
-            for edge, k in sampled.items():
-                assert k <= available[edge], f"block {i}: edge {edge} into {v} sampled {k}x, graph has {available[edge]}"
-            for code, name in enumerate(names):
-                degree = sum(k for (_, t), k in available.items() if t == code)
-                n = sum(k for (_, t), k in sampled.items() if t == code)
-                fanout = fanouts.of(name)[i]
-                want = degree if fanout == -1 else min(fanout, degree)
-                assert n == want, f"block {i}: node {v} has {degree} {name} in-edges, sampled {n} (fanout {fanout})"
-            beyond += fanouts.layers[i] != -1 and sum(sampled.values()) > fanouts.layers[i]
-    return beyond
-
-
-TYPED_FANOUTS = ["2", "3,2", "2,1;r0=5,1;rev_r2=1,-1", "1,-1,2;r1=-1,1,3"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

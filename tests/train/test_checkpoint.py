@@ -11,6 +11,7 @@ import torch
 from gnnray import run_storage
 from gnnray.errors import CheckpointError
 from gnnray.train import checkpoint
+from gnnray.train.stream_start import next_position
 from s3_server import STORAGE_KINDS
 
 
@@ -85,24 +86,24 @@ def test_checkpoints_within_epochs_order_by_step_and_resume_after_it(tmp_path):
     save_epoch(tmp_path / "checkpoint_b", 1, step=3)
     best, bad = checkpoint.latest_valid(str(tmp_path))
     assert (best.path, best.epoch, best.step, bad) == (str(tmp_path / "checkpoint_a"), 1, 7, [])
-    assert checkpoint.next_position(best) == (2, 7)
-    assert checkpoint.next_position(checkpoint.read_info(str(tmp_path / "checkpoint_z"))) == (2, 0)
-    assert checkpoint.next_position(None) == (0, 0)
+    assert next_position(best) == (2, 7)
+    assert next_position(checkpoint.read_info(str(tmp_path / "checkpoint_z"))) == (2, 0)
+    assert next_position(None) == (0, 0)
     state = checkpoint.load_state(best.path)
     assert (state["epoch"], state["step"]) == (1, 7)
     # Within the first epoch: no epoch completed yet.
     save_epoch(tmp_path / "first" / "checkpoint_x", -1, step=2)
     first, _ = checkpoint.latest_valid(str(tmp_path / "first"))
-    assert checkpoint.next_position(first) == (0, 2)
+    assert next_position(first) == (0, 2)
 
 
 def test_step_of_another_plan_restarts_its_epoch(tmp_path):
     """A step means other seeds under another --batch-size or --num-workers: resume at the epoch's start."""
     save_epoch(tmp_path / "checkpoint_a", 1, step=7, plan=["global", 19])
     info = checkpoint.read_info(str(tmp_path / "checkpoint_a"))
-    assert checkpoint.next_position(info, ["global", 19]) == (2, 7)
-    assert checkpoint.next_position(info, ["global", 38]) == (2, 0)
-    assert checkpoint.next_position(info, ["fixed", 19, 3]) == (2, 0)
+    assert next_position(info, ["global", 19]) == (2, 7)
+    assert next_position(info, ["global", 38]) == (2, 0)
+    assert next_position(info, ["fixed", 19, 3]) == (2, 0)
 
 
 def test_state_and_meta_of_different_steps_is_corrupt(tmp_path):

@@ -21,8 +21,8 @@ from gnnray.config import Fanouts
 from gnnray.errors import ConfigError
 from gnnray.sampler.sampler import Sampler
 from gnnray.train.device_sampler import DeviceSampler
-from test_pick import CASES, DRAWS, chi2_bar, draw_counts, inclusion_statistic, star_graph
-from test_sampling import FANOUTS, GRAPHS, TYPED_FANOUTS, check_batch, check_typed_batch, typed_graph
+from sampling_checks import (CASES, DRAWS, FANOUTS, GRAPHS, TYPED_FANOUTS, check_batch, check_typed_batch, chi2_bar,
+                             draw_counts, inclusion_statistic, star_graph, typed_graph)
 
 
 @pytest.mark.parametrize("name", list(GRAPHS))
