@@ -8,10 +8,15 @@ split and where the stream starts.
   while Ray Train starts its workers; a failed attempt is the driver's to
   restart (``driver/fit.py``), from the newest checkpoint, with a new stream.
 - An elastic run (``--num-workers MIN,MAX``): one attempt that Ray Train
-  resizes and restarts; each worker group's stream is made and started where
-  the newest checkpoint says (the same rule) by
+  resizes and restarts. Ray Train starts the group once MIN workers fit
+  (asking the autoscaler for MAX), and restarts the training function whenever
+  it resizes the group (nodes joined, every ``--resize-interval`` seconds it
+  looks) or the group fails (a node lost or drained, a worker raised):
+  failures up to ``--max-failures``, preemptions always. Every start gets its
+  stream, made where the newest checkpoint says (the same rule) by
   :class:`~gnnray.controller.split.ElasticSplit` in Ray Train's dataset-manager
-  actor, and the driver only watches.
+  actor; the driver only watches (``console.EpochPrinter`` prints the
+  resizes). The dashboard shows each start as an attempt of the run.
 
 Ray Train and the stream's modules are imported here, when an attempt is
 built: the driver starts Ray before it imports them (``driver/fit.py``).

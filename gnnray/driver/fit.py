@@ -108,7 +108,8 @@ def _run(cfg: JobConfig, model_factory: Optional[ModelFactory]) -> Summary:
             console.say(f"run {cfg.run.name!r} already finished {latest.epoch + 1} epochs; nothing to do "
                         "(use a new --name, or more --epochs to continue)")
             return _summary(_final_eval(cfg, latest, graph, pub.handle, model_factory), restarts)
-        start = StreamStart.after(latest, cfg, len(graph.train_idx), restarts)  # an elastic group's: ElasticSplit
+        # A fixed run's start; an elastic group's is taken by the same rule when its stream is made (ElasticSplit).
+        start = StreamStart.after(latest, cfg, len(graph.train_idx), restarts)
         if latest and latest.step != start.step:
             console.say(f"note: {latest.path} was written within epoch {start.epoch} under another --batch-size "
                         f"or --num-workers; epoch {start.epoch} starts over")

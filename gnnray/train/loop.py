@@ -72,7 +72,7 @@ def train_loop(config: dict) -> None:
     # that its sampler pool starts while the model is built.
     shard = ray.train.get_dataset_shard("train") if cfg.train.elastic else None
     # The stream starts there; the checkpoint holds the model of that point.
-    begin = StreamStart.of(setup, world, events(setup.run_dir))
+    begin = StreamStart.of(setup, world, events)
     if begin.epoch >= cfg.train.epochs:  # an elastic run that finished just before this group started
         return
     device = ray.train.torch.get_device()

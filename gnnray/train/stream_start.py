@@ -14,7 +14,7 @@ controller side import it as the ranks do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from gnnray.errors import GnnrayError
 from gnnray.seeds import plan_key
@@ -62,12 +62,12 @@ class StreamStart:
         return StreamStart(epoch, step, latest.path if latest else None, restarts)
 
     @staticmethod
-    def of(setup: WorkerSetup, world: int, events: list) -> StreamStart:
+    def of(setup: WorkerSetup, world: int, events: Callable[[str], list]) -> StreamStart:
         """What a rank reads: the driver's choice (a fixed run), or the start this elastic group's stream logged
-        in ``events`` (the run's ``workers.jsonl``) when it was made."""
+        in the run's ``workers.jsonl`` when it was made (``events(run_dir)`` reads it)."""
         if not setup.cfg.train.elastic:
             return StreamStart(setup.first_epoch, setup.first_step, setup.resume_from, setup.restarts)
-        start = [e for e in events if e["event"] == "start"][-1]
+        start = [e for e in events(setup.run_dir) if e["event"] == "start"][-1]
         if start["world_size"] != world:
             raise GnnrayError(f"the stream was made for {start['world_size']} workers and this worker group has "
                               f"{world}: does another run of --name {setup.cfg.run.name!r} write to {setup.run_dir}?")

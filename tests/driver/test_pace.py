@@ -9,7 +9,6 @@ from gnnray.config import parse_args
 from gnnray.errors import ConfigError
 from gnnray.driver.pace import (SEEDS_PER_CORE, THREADS_AT_MOST, Paces, actors_for_pace, check_device_sampling,
                                 keeps_pace, plan_cpu_node, sample_on, speedup, step_gflop)
-from gnnray.train.gpu_budget import CSC_SHARE, csc_bytes, gpu_budget
 
 GIB = 2**30
 
@@ -51,32 +50,6 @@ def test_keeps_pace_is_the_rule_that_spares_asking_a_gpu():
     assert sample_on("auto", True, 1 * GIB, None, 16, 1024, seeds_per_core=20_000)[0] == "actors"
 
 
-@pytest.mark.parametrize("total", [16 * GIB, 80 * GIB, 141 * GIB])
-@pytest.mark.parametrize("used", [0.0, 0.3, 0.7])
-@pytest.mark.parametrize("share", [0.0, 0.1, CSC_SHARE])
-def test_the_structure_and_the_features_share_one_budget_of_the_gpu(total, used, share):
-    from gnnray.train.placement import DEVICE_SHARE
-
-    free, structure = int(total * (1 - used)), int(share * total)
-    if structure > free:
-        return
-    placement_free, why = gpu_budget(total, free, structure)
-    assert structure + DEVICE_SHARE * placement_free <= free  # what placement takes beside the structure
-    assert placement_free == free - structure and "free on the GPU after the model" in why
-    assert ("kept for the graph's structure" in why) == bool(structure)
-
-
-@pytest.mark.parametrize("total, free, structure", [
-    (80 * GIB, 70 * GIB, 21 * GIB),  # more than a quarter of the GPU
-    (80 * GIB, 10 * GIB, 12 * GIB),  # more than is free after the model
-])
-def test_a_structure_the_workers_gpu_cannot_hold_is_refused_in_one_line(total, free, structure):
-    with pytest.raises(ConfigError, match="use --sample-on actors") as e:
-        gpu_budget(total, free, structure)
-    text = str(e.value)
-    assert "\n" not in text and f"{structure / GIB:.2f} GiB" in text and f"{total / GIB:.2f} GiB" in text
-
-
 def test_the_gpu_probe_imports_no_torch():
     """It runs in a task on each GPU node for the driver's plan: loading torch there would cost seconds."""
     import subprocess
@@ -111,22 +84,6 @@ def test_measured_pace_is_seeds_per_cpu_second_of_the_native_sampler():
     g = tiny_graph(num_nodes=2000, num_edges=40_000)
     dense, sparse = measured_pace(g, (25, 25), 256), measured_pace(g, (1,), 256)
     assert 0 < dense < sparse  # 25 x 25 picks a seed cost more than one pick
-
-
-def test_csc_bytes_counts_the_structure_and_labels():
-    g = tiny_graph()
-    assert csc_bytes(g) == g.indptr.nbytes + g.indices.nbytes + g.label.nbytes
-
-
-def test_csc_bytes_counts_relation_codes_as_the_device_holds_them():
-    """The device sampler holds a typed graph's codes as int64 (they index the fanouts), 8 bytes an edge."""
-    import dataclasses
-
-    import numpy as np
-
-    g = tiny_graph()
-    typed = dataclasses.replace(g, etype=np.zeros(len(g.indices), np.int8), edge_types=(("n", "r", "n"),))
-    assert csc_bytes(typed) == csc_bytes(g) + 8 * len(g.indices)
 
 
 @pytest.mark.parametrize("extra, says", [
