@@ -90,8 +90,9 @@ class ElasticSplit(DataConfig):
     stays ``--batch-size x MAX``) and the stream from the checkpoint's step,
     with a sampler pool sized for the world size, and starts it (as
     :class:`StartedSplit`). It appends where the stream starts to the run's
-    ``workers.jsonl``; every rank reads it back (:func:`gnnray.train.loop.train_loop`)
-    and restores that checkpoint: one decision, so model and stream cannot
+    ``workers.jsonl``; every rank reads it back
+    (:meth:`gnnray.train.stream_start.StreamStart.of`) and restores that
+    checkpoint: one decision, so model and stream cannot
     disagree. The previous group's stream ends with its dataset manager (Ray
     Train shuts its executor down and drops the actor, which owns the split
     coordinator and with it the sampler actors).

@@ -10,8 +10,9 @@ from typing import Optional
 from gnnray.config import JobConfig
 from gnnray.cpus import CpuPolicy, samplers_per_node
 from gnnray.data.graph import Graph
-from gnnray.driver import preflight
+from gnnray.driver import pace, preflight
 from gnnray.store.handle import GraphHandle
+from gnnray.train.gpu_budget import csc_bytes
 
 
 def layerwise_fits(cfg: JobConfig, pub, use_gpu: bool, model_factory) -> JobConfig:
@@ -34,7 +35,6 @@ def workers(cfg: JobConfig, use_gpu: bool, local: bool, nodes: list) -> JobConfi
     nodes one per :data:`gnnray.driver.pace.THREADS_AT_MOST` cores of each (ARGO's several processes a host:
     one worker's step hardly speeds up past that many threads)."""
     from gnnray.driver import console
-    from gnnray.driver.pace import THREADS_AT_MOST
 
     if not cfg.train.auto_workers:
         return cfg
@@ -42,9 +42,9 @@ def workers(cfg: JobConfig, use_gpu: bool, local: bool, nodes: list) -> JobConfi
         count, why = max(1, int(sum(n.gpus for n in nodes))), "one per GPU"
     else:
         cores = [_node_cores(local, n) for n in nodes if n.cpus > 0] or [_node_cores(local)]
-        count = sum(math.ceil(c / THREADS_AT_MOST) for c in cores)
+        count = sum(math.ceil(c / pace.THREADS_AT_MOST) for c in cores)
         counted = "this run's share of the host" if local else "as Ray counts them"
-        why = f"one per {THREADS_AT_MOST} cores of each CPU node ({', '.join(map(str, cores))} cores, {counted})"
+        why = f"one per {pace.THREADS_AT_MOST} cores of each CPU node ({', '.join(map(str, cores))} cores, {counted})"
     console.say(f"workers plan: {count} train worker(s), {why}")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_workers=(count,)))
 
@@ -63,7 +63,6 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     ``--sampler-actors`` is not given, their pool sized (on GPU workers :func:`gpu_sampling`, on CPU workers
     :func:`gnnray.driver.pace.plan_cpu_node`), printed with why."""
     from gnnray.driver import console
-    from gnnray.driver.pace import check_device_sampling
 
     requested, actors = cfg.sampler.sample_on, cfg.sampler.actors
     nodes = preflight.nodes()  # asked once: each call is a round trip to the cluster's GCS
@@ -79,7 +78,7 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     if actors != cfg.sampler.actors:
         why += f"; --sampler-actors {actors[0]},{actors[1]}"
     cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where, actors=actors))
-    check_device_sampling(cfg)
+    pace.check_device_sampling(cfg)
     place = ("in sampler actors" if where == "actors" else "on each train worker's device" if use_gpu
              else "in each train worker, between its steps")
     console.say(f"sampling plan: {place} ({why})")
@@ -98,9 +97,6 @@ def gpu_sampling(cfg: JobConfig, graph: Graph, nodes: list) -> tuple[str, str, O
     (:func:`gnnray.driver.pace.actors_for_pace`), as many as its node's
     cores per GPU give beside the worker.
     """
-    from gnnray.driver.pace import GPU_STEP_S, SEEDS_PER_CORE, actors_for_pace, keeps_pace, measured_pace, sample_on
-    from gnnray.train.gpu_budget import csc_bytes
-
     s = cfg.sampler
     gpus = [n for n in nodes if n.gpus > 0]
     per_gpu = min((n.cpus / n.gpus for n in gpus), default=0.0)
@@ -108,19 +104,19 @@ def gpu_sampling(cfg: JobConfig, graph: Graph, nodes: list) -> tuple[str, str, O
     # The rule needs a pace, and so does a pool to size.
     sized = s.sample_on == "auto" and not refused or s.sample_on != "device" and s.actors is None
     measured = sized and s.backend == "native"  # this graph's pace, not a figure's
-    seeds = measured_pace(graph, s.fanouts, s.batch_size, cfg.run.seed) if measured else SEEDS_PER_CORE
+    seeds = pace.measured_pace(graph, s.fanouts, s.batch_size, cfg.run.seed) if measured else pace.SEEDS_PER_CORE
     if refused:
         where, why = "actors", refused
     else:
         memory, unknown = None, ""
-        if s.sample_on == "auto" and not keeps_pace(per_gpu, s.batch_size, seeds):
+        if s.sample_on == "auto" and not pace.keeps_pace(per_gpu, s.batch_size, seeds):
             memory, unknown = preflight.gpu_memory(nodes)
-        where, why = sample_on(s.sample_on, True, csc_bytes(graph), memory, per_gpu, s.batch_size, seeds,
-                               unknown=unknown)
+        where, why = pace.sample_on(s.sample_on, True, csc_bytes(graph), memory, per_gpu, s.batch_size, seeds,
+                                    unknown=unknown)
     if where != "actors" or s.actors is not None:
         return where, why, s.actors
     cores = max(0, math.floor((per_gpu - cfg.train.cpus_per_worker) / s.cpus_per_actor))
-    each = actors_for_pace(GPU_STEP_S, s.batch_size, cores, seeds)
+    each = pace.actors_for_pace(pace.GPU_STEP_S, s.batch_size, cores, seeds)
     pace = f"{seeds:,.0f} seeds/s a core" + ("" if measured else " assumed")
     why += f"; {each} actor(s) a GPU worker keep pace with its steps ({pace}, {cores} core(s) to spare a GPU)"
     return where, why, (1, each * cfg.train.workers_max)  # MIN 1: it always starts
@@ -152,11 +148,9 @@ def cpu_sampling(cfg: JobConfig, graph: Graph, cores: int, workers: int) -> tupl
     cores: in the workers where the node's sampling needs less than a core, from the native sampler measured
     here on the run's graph and the step estimated from the batch it sampled
     (:func:`gnnray.driver.pace.plan_cpu_node`); else in as many actors as the sampling needs cores."""
-    from gnnray.driver.pace import CORE_GFLOPS, Paces, measure, plan_cpu_node, step_gflop
-
-    seconds, layers = measure(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
-    gflop = step_gflop(layers, graph.feat_dim + cfg.data.embedding_dim, cfg.model.hidden, graph.num_classes)
-    plan = plan_cpu_node(cores, Paces(seconds, gflop / CORE_GFLOPS, gflop), workers)
+    seconds, layers = pace.measure(graph, cfg.sampler.fanouts, cfg.sampler.batch_size, cfg.run.seed)
+    gflop = pace.step_gflop(layers, graph.feat_dim + cfg.data.embedding_dim, cfg.model.hidden, graph.num_classes)
+    plan = pace.plan_cpu_node(cores, pace.Paces(seconds, gflop / pace.CORE_GFLOPS, gflop), workers)
     return ("device" if plan.in_workers else "actors"), f"{cores} cores a node: {plan.why()}", plan.sampler_cores
 
 

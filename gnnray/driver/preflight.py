@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gnnray.config import JobConfig
+from gnnray.driver.pace import gpu_bytes
+from gnnray.driver.stream import sampler_actors
 from gnnray.errors import ClusterError, ConfigError, last_line, size_text
 
 # Share of a node's object store the graph may take: the rest holds the
@@ -141,8 +143,6 @@ def gpu_memory(cluster: list[Node], timeout_s: float = GPU_PROBE_TIMEOUT_S) -> t
     not read its GPU."""
     import ray
 
-    from gnnray.driver.pace import gpu_bytes
-
     gpu_nodes = [n for n in cluster if n.gpus > 0]
     if not gpu_nodes:
         return None, "the GPU workers' memory is unknown: no GPU node is up yet"
@@ -256,8 +256,6 @@ def check_resources(cfg: JobConfig, use_gpu: bool, cluster: list[Node]) -> None:
     MIN workers, and room for the sampler actors beside the group Ray Train
     would start (:func:`_check_elastic_room`).
     """
-    from gnnray.driver.stream import sampler_actors
-
     t, s = cfg.train, cfg.sampler
     where = _describe(cluster)
     workers, flag = t.workers_min, ",".join(map(str, t.num_workers))
@@ -289,8 +287,6 @@ def _check_elastic_room(cfg: JobConfig, use_gpu: bool, cluster: list[Node]) -> N
     may take every CPU, and the sampler actors the workers wait for could
     never start.
     """
-    from gnnray.driver.stream import sampler_actors
-
     t, s = cfg.train, cfg.sampler
     total = sum(n.cpus for n in cluster)
 
