@@ -117,8 +117,8 @@ def gpu_sampling(cfg: JobConfig, graph: Graph, nodes: list) -> tuple[str, str, O
         return where, why, s.actors
     cores = max(0, math.floor((per_gpu - cfg.train.cpus_per_worker) / s.cpus_per_actor))
     each = pace.actors_for_pace(pace.GPU_STEP_S, s.batch_size, cores, seeds)
-    pace = f"{seeds:,.0f} seeds/s a core" + ("" if measured else " assumed")
-    why += f"; {each} actor(s) a GPU worker keep pace with its steps ({pace}, {cores} core(s) to spare a GPU)"
+    rate = f"{seeds:,.0f} seeds/s a core" + ("" if measured else " assumed")
+    why += f"; {each} actor(s) a GPU worker keep pace with its steps ({rate}, {cores} core(s) to spare a GPU)"
     return where, why, (1, each * cfg.train.workers_max)  # MIN 1: it always starts
 
 
