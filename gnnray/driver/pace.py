@@ -56,14 +56,13 @@ CORE_GFLOPS = 40.0
 THREADS_AT_MOST = 16
 
 
-def sample_on(requested: str, use_gpu: bool, csc_bytes: int, gpu_bytes: Optional[int], cores_per_gpu: float,
+def sample_on(requested: str, csc_bytes: int, gpu_bytes: Optional[int], cores_per_gpu: float,
               batch_size: int, seeds_per_core: float = SEEDS_PER_CORE, step_s: float = GPU_STEP_S,
               unknown: str = "the GPU workers' memory is unknown") -> tuple[str, str]:
-    """``("actors" | "device", why)`` for ``--sample-on requested``.
+    """``("actors" | "device", why)`` for ``--sample-on requested`` on GPU workers (CPU workers: :func:`plan_cpu_node`).
 
     Args:
         requested: ``auto``, ``actors`` or ``device``.
-        use_gpu: Whether the train workers have a GPU (CPU workers are planned by :func:`plan_cpu_node`).
         csc_bytes: What the device sampler holds on the device (:func:`gnnray.train.gpu_budget.csc_bytes`).
         gpu_bytes: The GPU workers' smallest GPU memory, if known; ``None`` (unknown) never picks the device.
         cores_per_gpu: CPU cores a GPU node has per GPU, for its sampler actors.

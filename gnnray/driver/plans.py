@@ -111,7 +111,7 @@ def gpu_sampling(cfg: JobConfig, graph: Graph, nodes: list) -> tuple[str, str, O
         memory, unknown = None, ""
         if s.sample_on == "auto" and not pace.keeps_pace(per_gpu, s.batch_size, seeds):
             memory, unknown = preflight.gpu_memory(nodes)
-        where, why = pace.sample_on(s.sample_on, True, csc_bytes(graph), memory, per_gpu, s.batch_size, seeds,
+        where, why = pace.sample_on(s.sample_on, csc_bytes(graph), memory, per_gpu, s.batch_size, seeds,
                                     unknown=unknown)
     if where != "actors" or s.actors is not None:
         return where, why, s.actors

@@ -14,40 +14,40 @@ GIB = 2**30
 
 
 def test_a_choice_on_the_command_line_is_kept():
-    assert sample_on("device", False, 10 * GIB, None, 64, 1024)[0] == "device"
-    assert sample_on("actors", True, 1, 80 * GIB, 1, 1024)[0] == "actors"
+    assert sample_on("device", 10 * GIB, None, 64, 1024)[0] == "device"
+    assert sample_on("actors", 1, 80 * GIB, 1, 1024)[0] == "actors"
 
 
 def test_auto_samples_on_the_gpu_where_the_cores_cannot_keep_pace_and_the_structure_fits():
     # 1024 seeds every 4 ms: 256,000 seeds/s, more than 12 cores of 20,000.
-    where, why = sample_on("auto", True, 1 * GIB, 80 * GIB, 12, 1024, seeds_per_core=20_000, step_s=0.004)
+    where, why = sample_on("auto", 1 * GIB, 80 * GIB, 12, 1024, seeds_per_core=20_000, step_s=0.004)
     assert where == "device" and "256,000" in why
     # Enough cores per GPU: the actors keep pace.
-    assert sample_on("auto", True, 1 * GIB, 80 * GIB, 16, 64, seeds_per_core=20_000, step_s=0.004)[0] == "actors"
+    assert sample_on("auto", 1 * GIB, 80 * GIB, 16, 64, seeds_per_core=20_000, step_s=0.004)[0] == "actors"
     # With the module's own pace and step: the products-shaped step needs the GPU at 12 cores a GPU.
-    assert sample_on("auto", True, 1 * GIB, 80 * GIB, 12, 1024)[0] == "device"
+    assert sample_on("auto", 1 * GIB, 80 * GIB, 12, 1024)[0] == "device"
     # The structure takes more than a quarter of the GPU, or the GPU's memory is unknown: actors.
-    assert sample_on("auto", True, 30 * GIB, 80 * GIB, 12, 1024)[0] == "actors"
-    assert sample_on("auto", True, 1 * GIB, None, 12, 1024)[0] == "actors"
+    assert sample_on("auto", 30 * GIB, 80 * GIB, 12, 1024)[0] == "actors"
+    assert sample_on("auto", 1 * GIB, None, 12, 1024)[0] == "actors"
 
 
 def test_the_why_says_the_gpu_step_was_assumed_and_what_the_memory_was():
     # Nothing measures the GPU's step before training: each auto line says what the rule took for it.
     for cores in (12, 64):
-        why = sample_on("auto", True, 1 * GIB, 80 * GIB, cores, 1024)[1]
+        why = sample_on("auto", 1 * GIB, 80 * GIB, cores, 1024)[1]
         assert "a GPU step assumed 4 ms: the products-shaped step's ceiling on an H200" in why
-    assert "a GPU step assumed 10 ms" in sample_on("auto", True, 1 * GIB, 80 * GIB, 1, 1024, step_s=0.01)[1]
-    assert "H200" not in sample_on("auto", True, 1 * GIB, 80 * GIB, 1, 1024, step_s=0.01)[1]
-    where, why = sample_on("auto", True, 1 * GIB, None, 12, 1024, unknown="node 10.0.0.2 did not say within 30 s")
+    assert "a GPU step assumed 10 ms" in sample_on("auto", 1 * GIB, 80 * GIB, 1, 1024, step_s=0.01)[1]
+    assert "H200" not in sample_on("auto", 1 * GIB, 80 * GIB, 1, 1024, step_s=0.01)[1]
+    where, why = sample_on("auto", 1 * GIB, None, 12, 1024, unknown="node 10.0.0.2 did not say within 30 s")
     assert where == "actors" and why.endswith("; node 10.0.0.2 did not say within 30 s")
-    where, why = sample_on("auto", True, 30 * GIB, 80 * GIB, 12, 1024)
+    where, why = sample_on("auto", 30 * GIB, 80 * GIB, 12, 1024)
     assert where == "actors" and "(30.00 GiB of structure against a GPU's 80.00 GiB)" in why
 
 
 def test_keeps_pace_is_the_rule_that_spares_asking_a_gpu():
     # 12 cores of 20,000 seeds/s against 256,000: the GPU is asked; 16 of them sample 320,000: it is not.
     assert not keeps_pace(12, 1024, 20_000, 0.004) and keeps_pace(16, 1024, 20_000, 0.004)
-    assert sample_on("auto", True, 1 * GIB, None, 16, 1024, seeds_per_core=20_000)[0] == "actors"
+    assert sample_on("auto", 1 * GIB, None, 16, 1024, seeds_per_core=20_000)[0] == "actors"
 
 
 def test_the_gpu_probe_imports_no_torch():

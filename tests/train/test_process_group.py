@@ -67,7 +67,9 @@ def rank(i, world, backend, addr, port):
     t = torch.full((3,), float(i + 1), device=device)
     dist.all_reduce(t)
     bound = dist.distributed_c10d._get_default_group().bound_device_id
-    print(f"rank {i} sum {t.sum().item():g} bound {bound}", flush=True)
+    # One write per line: with PYTHONUNBUFFERED, print writes the text and its newline apart, and two ranks'
+    # lines could interleave on the shared pipe.
+    os.write(1, f"rank {i} sum {t.sum().item():g} bound {bound}\\n".encode())
     process_group.leave_process_group(destroy=True)
 
 if __name__ == "__main__":
