@@ -86,6 +86,15 @@ def actor_table(actor_id: Optional[str] = None) -> dict:
     return state.actor_table(actor_id)
 
 
+def store_stats(node: dict, *fields: str) -> dict:
+    """``fields`` of a node's object store stats (``object_store_bytes_used``, ...) as its raylet reports them;
+    ``node`` is an entry of ``ray.nodes()``."""
+    from ray._private.internal_api import node_stats
+
+    stats = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False).store_stats
+    return {f: int(getattr(stats, f)) for f in fields}
+
+
 def cluster_config():
     """The autoscaler's cluster config as the GCS holds it (``None`` where none was reported)."""
     import ray._private.state
