@@ -1,26 +1,8 @@
 """gnnray: GNN training on Ray, the graph held once per node.
 
 A folder is one process (``tests/test_layout.py`` holds it: only the training processes' folders import
-torch at module level); one mini-batch meets these files in order:
-
-====  ============================  ======================  =============================================
-step  file                          runs on                 output
-====  ============================  ======================  =============================================
-0     ``config.py``                 driver                  frozen ``JobConfig`` from the command line
-1     ``data/load.py``              driver                  validated numpy ``Graph`` (in-edge CSC, features)
-2     ``store/handle.py``           driver, read by all     ``GraphHandle``: the graph once per node, zero-copy
-      ``store/shards.py``           driver; shard nodes     ``--feature-shards K``: features split over K nodes
-3     ``seeds.py``                  driver, sampler actors  ``SeedPlan`` + dataset of row numbers, all epochs
-      ``driver/stream.py``          driver                  the Ray Data stream of sampled mini-batches
-4     ``sampler/sampler.py``        sampler actors          packed ``MiniBatch`` rows (``batch.py``)
-5     ``train/prefetch.py``         train worker thread     ``MiniBatch`` with features, on the device
-      ``train/feature_reader.py``                           its rows: local, cached or fetched from shards,
-      ``train/placement.py``        train worker            or gathered on the device (``--feature-placement``)
-6     ``models/model.py``           train worker            logits (``models/conv.py``: message passing in torch)
-7     ``train/step.py``             train worker            loss, optimizer step; ``train/loop.py`` runs it, then
-                                                            ``train/evaluate.py`` and ``train/layerwise.py``,
-                                                            then ``train/report.py``: metrics, checkpoint
-====  ============================  ======================  =============================================
+torch at module level). One mini-batch's path from seed ids to loss, with the file of each stage, is told once,
+in README.md#what-runs-where; the folders:
 
 - Shared contracts, at the top: ``batch.py`` (the one batch type and its wire format) and ``seeds.py`` (the seed
   plan, the stream's rows and whether a run streams).

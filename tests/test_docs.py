@@ -63,6 +63,24 @@ def test_every_relative_link_resolves():
     assert not broken, "\n".join(broken)
 
 
+# A file of the repository named in a page's text, e.g. `gnnray/train/loop.py` or bench/results/x.json.
+NAMED_PATH = re.compile(r"(?<![\w./-])((?:gnnray|bench|docs|tests|jobs)/[\w./-]*\w\.(?:py|md|json|sh|yaml))\b")
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if "history" not in p.parts], ids=lambda p: p.name)
+def test_files_a_page_names_exist(page):
+    missing = sorted({name for name in NAMED_PATH.findall(page.read_text())
+                      if not (REPO / name).exists() and not (page.parent / name).exists()})
+    assert not missing, f"{page.name} names files that do not exist: {missing}"
+
+
+def test_the_data_path_is_told_once_in_the_readme():
+    """The README's "What runs where" tells a batch's path; the pages that once retold it link to it."""
+    for path in (DOCS / "running.md", DOCS / "performance.md", REPO / "gnnray" / "__init__.py"):
+        assert "README.md#what-runs-where" in path.read_text(), f"{path.name} does not link the README's data path"
+    assert "what-runs-where" in anchors(REPO / "README.md")
+
+
 def test_code_cites_docs_by_anchors_that_exist():
     cited, broken = 0, []
     for folder in ("gnnray", "jobs", "bench", "tests", ".ci"):
@@ -84,6 +102,12 @@ def test_readme_is_a_front_page():
     for must in ("pip install -q -e . && .venv/bin/python jobs/train_arxiv.py", "## The supported stack",
                  "## What runs where", "sampler actors", "train worker", "loss"):
         assert must in first, f"{must!r} is not in README.md's first 120 lines"
+    text = "\n".join(lines)
+    # The README is read on any machine: no path that exists only beside this repository's CI.
+    assert "../shared" not in text, "README.md names ../shared, which exists only beside this repository's CI"
+    watch = text.partition("## Watching a run")[2].partition("\n## ")[0]
+    for must in ("*Jobs*", "*Train*", "Metrics", "ray job logs"):
+        assert must in watch, f"README.md's 'Watching a run' does not say {must}"
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if "history" not in p.parts], ids=lambda p: p.name)
