@@ -1,38 +1,17 @@
 """Start-up: seconds from the command to the first training step, and when each part of the way ends.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.startup                    # fresh local cluster, 3 runs
-    .venv/bin/python -m bench.startup --join             # joins a head this script starts (ray start --head)
-    .venv/bin/python -m bench.startup --runs 5 -- --num-workers 2 --sampler-actors 2
-
-Each run is ``jobs/train_arxiv.py`` as a user starts it (default options:
-``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval
-sampled``; options after ``--`` are added), in a new process, timed from just
-before it starts. The job is not changed and prints nothing more: the
-milestones come from what the run leaves behind anyway.
-
-- the driver's own output: the ``graph ...`` line;
-- Ray's session logs: the driver's core worker (connected to Ray), the raylet
-  (a worker process launched), each worker process's core log (registered,
-  its actor's constructor finished), Ray Train's controller and worker logs
-  (controller running, worker group started, train function launched) and
-  Ray Data's log (split coordinator created, stream started);
-- the run's progress file, which rank 0 writes after its first training step.
-
-Every run gets its own Ray temp dir (``RAY_TMPDIR``), so the logs read are
-its own. ``--join`` starts one head with ``ray start --head`` (its own ports
-and temp dir, dashboard on), runs every run against it with ``RAY_ADDRESS``
-and stops exactly that head's processes afterwards (not ``ray stop``, which
-stops every Ray cluster on the machine). The first run on a new head is
-reported apart from the later ones: it also pays for the head's first job.
-
-Times are wall-clock seconds on a shared machine: repeat, and compare medians.
+``python -m bench.startup [--runs N] [--join] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` (default
+``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval sampled``) in a new process with a
+Ray temp dir of its own; the milestones come from what a run leaves anyway: its graph line, Ray's session logs
+(driver, raylet, workers, Ray Train's and Ray Data's logs) and rank 0's progress file. ``--join`` starts one
+head (``ray start --head``, stopped by its processes' ids) and runs against it; its first run, which also pays
+for the head's first job, is left out of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -47,6 +26,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
+
+from bench.cpu import machine_busy_s
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "jobs" / "train_arxiv.py"
@@ -179,21 +160,15 @@ def _first_json(path: str) -> Optional[float]:
 
 
 class CpuWatch:
-    """CPU seconds the machine spent outside a process tree while it ran: the noise of a shared machine.
-
-    Every ``every_s`` it reads the machine's busy time (``/proc/stat``) and
-    the CPU times of the tree's processes (the driver, its local cluster, and
-    any ``roots`` such as a joined head's processes); a process's last
-    fraction of a period before it exits is missed, so "others" is a slight
-    overestimate.
-    """
+    """CPU-seconds of a process tree (and ``extra_roots``, a joined head's) and of everything else while it ran,
+    polled every ``every_s`` (a process's last fraction of a period is missed: "others" is slightly high)."""
 
     def __init__(self, root_pid: int, extra_roots: Callable[[], list[int]] = lambda: [], every_s: float = 0.25):
         self._root, self._extra, self._every = root_pid, extra_roots, every_s
         self._seen: dict[int, float] = {}
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
-        self._busy0, self._self0 = _machine_busy_s(), _own_cpu_s()
+        self._busy0, self._self0 = machine_busy_s(), _own_cpu_s()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -231,7 +206,7 @@ class CpuWatch:
         self._thread.join()
         mine = sum(self._seen.values())
         watching = _own_cpu_s() - self._self0  # this process's polling, not the others'
-        return mine, max(0.0, _machine_busy_s() - self._busy0 - mine - watching)
+        return mine, max(0.0, machine_busy_s() - self._busy0 - mine - watching)
 
 
 def _own_cpu_s() -> float:
@@ -246,12 +221,6 @@ def _process_name(p) -> str:
         return cmd[0].split()[0].split(".")[0]  # ray::TrainController.run -> ray::TrainController
     words = [os.path.basename(c) for c in cmd[:3] if not c.startswith("-")]
     return " ".join(w for w in words if w and not w.startswith("python"))[:40] or p.name()
-
-
-def _machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
 def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900,
@@ -305,25 +274,18 @@ def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: fl
                                     if p[k]}} for p in procs])
 
 
-def idle_fraction(seconds: float = 2.0) -> float:
-    """Share of the machine's CPU time that was idle over the next ``seconds`` (``/proc/stat``)."""
+def wait_until_idle(share: float, patience_s: float = 600) -> float:
+    """Wait (at most ``patience_s``) until at least ``share`` of the CPU was idle over 2 s; the share seen last."""
     def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
+        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
         return v[3] + v[4], sum(v)  # idle + iowait, total
 
-    (i0, t0), _ = sample(), time.sleep(seconds)
-    i1, t1 = sample()
-    return (i1 - i0) / max(1, t1 - t0)
-
-
-def wait_until_idle(share: float, patience_s: float = 600) -> float:
-    """Wait (at most ``patience_s``) until at least ``share`` of the CPU is idle; the share seen last."""
     deadline = time.time() + patience_s
     while True:
-        seen = idle_fraction()
-        if seen >= share or time.time() > deadline:
-            return seen
+        (i0, t0), _ = sample(), time.sleep(2.0)
+        i1, t1 = sample()
+        if (i1 - i0) / max(1, t1 - t0) >= share or time.time() > deadline:
+            return (i1 - i0) / max(1, t1 - t0)
 
 
 class Head:
@@ -336,40 +298,30 @@ class Head:
                         "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
                         "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
 
-    def pids(self) -> list[int]:
+    def processes(self) -> list:
         """The head's own processes (their children, the workers, are found from them)."""
         import psutil
 
         found = []
         for p in psutil.process_iter(["cmdline"]):
-            try:
+            with contextlib.suppress(psutil.Error, TypeError):
                 if any(self.tmpdir in part for part in p.info["cmdline"] or []):
-                    found.append(p.pid)
-            except psutil.Error:
-                pass
+                    found.append(p)
         return found
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes()]
 
     def stop(self) -> None:
         import psutil
 
-        mine = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if any(self.tmpdir in part for part in p.info["cmdline"] or []):
-                    mine.append(p)
-            except psutil.Error:
-                pass
+        mine = self.processes()
         for p in mine:
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(mine, timeout=15)
-        for p in alive:
-            try:
+        for p in psutil.wait_procs(mine, timeout=15)[1]:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass
 
 
 def summary(runs: list[dict]) -> dict:

@@ -1,33 +1,13 @@
-"""Whole runs as a user starts them: steady seeds/s and CPU-seconds per epoch from two run lengths, and start-up.
+"""The ``wall`` stage: whole runs as a user starts them, ours against the DGL loop's script, side by side.
 
-Ours: ``python jobs/train_arxiv.py OPTIONS --epochs E`` in a new process,
-with the benchmark's job options (:func:`job_argv`: the same graph, model,
-fanouts, batch size, ``--max-ahead`` and ``--eval sampled``; threads come from
-the CPU plan, or from ``--cpus-per-worker`` with ``--cpu-plan off``), timed
-from process start to exit. It starts its own local Ray cluster (the
-benchmark's is shut down before). Baselines: ``python -m bench.dgl_loop``
-with the same configuration (:func:`bench.dgl_loop.end_to_end`: imports,
-loading, the same epochs, validation and test) on as many threads as cores,
-as a DGL user runs it: ``DataLoader(num_workers=0)``, ``num_workers=1``, and
-``num_workers=1`` with DGL's ``enable_cpu_affinity``.
-
-Every configuration runs twice, for ``E_short`` and ``E_long`` epochs, one
-after the other. The difference of the two cancels start-up and the final
-test: a steady epoch takes ``(wall_long - wall_short) / (E_long - E_short)``
-seconds, validation and everything between epochs included, and costs
-``(cpu_long - cpu_short) / (E_long - E_short)`` CPU-seconds of the whole
-machine (its non-idle time in ``/proc/stat``: every process, Ray's daemons
-included). That CPU figure does not depend on how many cores the machine has.
-
-The pairs run in ``--wall-repeats`` rounds, each round every configuration
-once in turn, and each figure is the median over the rounds. Whole runs on
-one machine drift by 10-15% between hours (docs/performance.md#current-figures): only
-configurations interleaved within one benchmark run are compared.
-
-During ours' long run, :mod:`bench.cpu` snapshots every process's CPU time
-at each epoch's line in ``metrics.jsonl``; the windows between those lines,
-but the last, are steady epochs, and their medians per process group make
-the table of where the time goes.
+Ours: ``python jobs/train_arxiv.py`` with the benchmark's options (:func:`job_argv`; its own local cluster; also
+with 2 DDP workers, ``--cpu-plan off`` and ``--sample-on actors``); baselines: ``python -m bench.dgl_loop`` on as
+many threads as cores with ``DataLoader(num_workers=0)``, ``num_workers=1`` and ``num_workers=1`` with
+``enable_cpu_affinity``. Each runs for ``E_short`` and ``E_long`` epochs: a steady epoch takes
+``(wall_long - wall_short) / (E_long - E_short)`` seconds and as many machine CPU-seconds (``/proc/stat``,
+every process), start-up and the final test cancelled out. The configurations run in ``--wall-repeats``
+interleaved rounds; each figure is the median over rounds (whole runs drift 10-15% between hours). During
+ours' long run :mod:`bench.cpu` snapshots every process at each epoch line: the table of where the time goes.
 """
 
 from __future__ import annotations
@@ -44,8 +24,8 @@ import typing
 from pathlib import Path
 
 from bench import cpu
-from bench.common import DGL_PYTHON, REPO, Result, Row, Settings, attempt, compare, epochs_of, job_config, metrics_log
-from bench.dgl_loop import RESULT
+from bench.harness import DGL_PYTHON, REPO, Result, Row, attempt, compare, medians, run_child
+from bench.settings import Settings, epochs_of, job_config, metrics_log
 from gnnray.config import DataConfig, JobConfig
 
 FIGURE = "whole runs"
@@ -80,11 +60,8 @@ def job_argv(cfg: JobConfig) -> list[str]:
 
 
 def timed(name: str, cmd: list[str], on_epoch_log: typing.Optional[Path] = None) -> dict:
-    """Run ``cmd`` from the repository root: wall time, the machine's CPU-seconds, output, per-epoch snapshots.
-
-    With ``on_epoch_log``, every process's CPU time is snapshot each time a
-    line is added to that file (the run's ``metrics.jsonl``).
-    """
+    """Run ``cmd`` from the repository root: wall time, the machine's CPU-seconds, output, and with
+    ``on_epoch_log`` every process's CPU time at each line added to that file."""
     watching = cpu.on_new_lines(on_epoch_log, cpu.snapshot) if on_epoch_log else contextlib.nullcontext([])
     with watching as snaps:
         start, busy = time.perf_counter(), cpu.machine_busy_s()
@@ -112,10 +89,9 @@ def ours(cfg: JobConfig) -> dict:
 
 def dgl(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool) -> dict:
     spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers, affinity=affinity)
-    r = timed("bench.dgl_loop", [DGL_PYTHON, "-m", "bench.dgl_loop", json.dumps(spec)])
-    out = r.pop("stdout")
-    result = json.loads([line for line in out.splitlines() if line.startswith(RESULT)][-1][len(RESULT):])
-    return dict(r, **result)
+    start, busy = time.perf_counter(), cpu.machine_busy_s()
+    r = run_child([DGL_PYTHON, "-m", "bench.dgl_loop", json.dumps(spec)], USER_ENV, what="bench.dgl_loop")
+    return dict(r, wall_s=time.perf_counter() - start, cpu_s=cpu.machine_busy_s() - busy, windows=[])
 
 
 def steady(short: Result, long: Result, more: int, seeds_per_epoch: int) -> Result:
@@ -141,10 +117,8 @@ def _epochs(run: dict) -> int:
 
 
 def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, round_: int = 0) -> dict:
-    """Ours (plan on, plan off, DDP) and the DGL loops, each a function running ``epochs`` epochs.
-
-    Each round's runs get names of their own: the same name would resume the last round's finished run.
-    """
+    """Ours and the DGL loops, each a function running ``epochs`` epochs (names of each round's own: the same
+    name would resume the last round's finished run)."""
     def cfg(name: str, workers: int = 1, **train) -> JobConfig:
         c = job_config(data, dataclasses.replace(s, epochs=epochs, workers=workers), workdir,
                        f"{name}-{epochs}-r{round_}")
@@ -204,13 +178,9 @@ def median_round(rounds: list, seeds_per_epoch: int) -> Result:
     done = [r for r in rounds if not isinstance(r, Exception)]
     if not done:
         return rounds[0]
-    epoch_s = statistics.median(r["epoch_s"] for r in done)
-    out = dict(epoch_s=epoch_s, seeds_per_s=seeds_per_epoch / epoch_s,
-               cpu_s=statistics.median(r["cpu_s"] for r in done),
-               start_s=statistics.median(r["start_s"] for r in done),
-               whole_s=statistics.median(r["whole_s"] for r in done),
-               epoch_s_rounds=[r["epoch_s"] for r in done], cpu_s_rounds=[r["cpu_s"] for r in done],
-               failed_rounds=len(rounds) - len(done), rounds=done)
+    out = medians(done, "epoch_s", "cpu_s", "start_s", "whole_s")
+    out.update(seeds_per_s=seeds_per_epoch / out["epoch_s"], epoch_s_rounds=[r["epoch_s"] for r in done],
+               cpu_s_rounds=[r["cpu_s"] for r in done], failed_rounds=len(rounds) - len(done), rounds=done)
     groups = sorted({g for r in done for g in r.get("by_process", {})})
     if groups:
         out["by_process"] = {g: statistics.median(r.get("by_process", {}).get(g, 0.0) for r in done)

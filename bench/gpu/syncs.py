@@ -24,46 +24,14 @@ rows check that the paths run and agree, and count nothing).
 from __future__ import annotations
 
 import contextlib
-import socket
-import warnings
 
 import numpy as np
 import torch
 
+from bench.gpu.batches import count_syncs, one_rank_group
+
 EMBEDDING_DIM = 16
 STEPS = 4  # syncs per step = (count over 2 x STEPS steps - count over STEPS) / STEPS: the epoch's end cancels out
-
-
-@contextlib.contextmanager
-def one_rank_group(dev: torch.device):
-    """A one-rank default process group: NCCL on CUDA, gloo on the CPU."""
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, **({"device_id": dev} if dev.type == "cuda" else {}))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def count_syncs(fn) -> int:
-    """Host syncs while ``fn()`` runs, by torch's sync debug mode (0 without CUDA)."""
-    if not torch.cuda.is_available():
-        fn()
-        return 0
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # Not "synchroniz" alone: the mode's own first notice ("... does not yet detect all synchronizing operations").
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
 
 
 def embedding_row(dev: torch.device, z: dict) -> dict:
