@@ -49,15 +49,14 @@ def machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / _TICK
 
 
-def processes(cmdline: bool = True) -> dict:
+def processes() -> dict:
     """``{pid: (parent pid, command line, CPU-seconds of all its threads)}`` of every process."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read().rsplit(")", 1)[1].split()
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace") \
-                if cmdline else ""
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue  # ended meanwhile
         out[int(pid)] = (int(stat[1]), cmd, (int(stat[11]) + int(stat[12])) / _TICK)
@@ -70,29 +69,24 @@ def snapshot() -> dict:
     return dict(machine=machine_busy_s(), procs={pid: v for pid, v in procs.items() if v[0]})
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU-seconds of ``root`` and every live process descended from it (a simulated cluster's daemons and
-    workers descend from its driver: the job's CPU alone, whatever else runs on the machine)."""
-    procs, total, todo = processes(cmdline=False), 0.0, [root]
+def tree(roots: list) -> dict:
+    """``{pid: (command line, CPU-seconds)}`` of ``roots`` and every live process descended from them."""
+    procs, out, todo = processes(), {}, list(roots)
     kids: dict = {}
     for pid, (parent, _, _) in procs.items():
         kids.setdefault(parent, []).append(pid)
     while todo:
         pid = todo.pop()
-        total += procs[pid][2] if pid in procs else 0.0
-        todo.extend(kids.get(pid, ()))
-    return total
-
-
-def between(before: dict, after: dict) -> dict:
-    """CPU-seconds per group between two snapshots, plus ``machine`` (all processes) and ``other``."""
-    out: dict = {}
-    for pid, (group, cpu) in after["procs"].items():
-        start = before["procs"].get(pid, (group, 0.0))[1]
-        out[group] = out.get(group, 0.0) + cpu - start
-    out["machine"] = after["machine"] - before["machine"]
-    out["other"] = out["machine"] - sum(v for k, v in out.items() if k != "machine")
+        if pid in procs and pid not in out:
+            out[pid] = procs[pid][1:]
+            todo.extend(kids.get(pid, ()))
     return out
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU-seconds of ``root``'s tree (a simulated cluster's processes descend from its driver: the job's CPU
+    alone, whatever else runs on the machine)."""
+    return sum(cpu_s for _, cpu_s in tree([root]).values())
 
 
 @contextlib.contextmanager

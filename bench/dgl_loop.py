@@ -1,15 +1,14 @@
 """The whole runs' baseline (:mod:`bench.wall`): the DGL tutorials' training loop in one process.
 
 ``DataLoader(g, train_ids, NeighborSampler(fanouts), shuffle=True, num_workers=W)`` (W = 0: sampling between
-steps; W = 1: a forked sampling process per pass, optionally in ``enable_cpu_affinity``), ``feat[input_nodes]``,
+steps; W = 1: a forked sampling process per pass), ``feat[input_nodes]``,
 the job's model on DGL's modules (``dgl_models.py``) with Adam; sampled validation each epoch and a sampled test
 at the end, as the job's ``--eval sampled``. ``python -m bench.dgl_loop SPEC`` (JSON: the job's configuration,
-``cores``, ``loader_workers``, ``affinity``) runs one whole run and emits its figures.
+``cores``, ``loader_workers``) runs one whole run and emits its figures.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
@@ -25,7 +24,7 @@ from gnnray.data.graph import Graph
 class DglLoop:
     """Graph, model, optimizer and loaders of the DGL loop; :meth:`steps` and :meth:`epoch` train."""
 
-    def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int, affinity: bool = False):
+    def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int):
         import torch
 
         from gnnray.sampler.graphbolt import to_dgl
@@ -33,7 +32,7 @@ class DglLoop:
         from bench.dgl_models import DGLModel
         from gnnray.models.model import model_for
 
-        self._graph, self._cfg, self._workers, self._affinity = graph, cfg, loader_workers, affinity
+        self._graph, self._cfg, self._workers = graph, cfg, loader_workers
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # int64 structure, as DGL users load graphs (and DGL 2.1's fused sampler is wrong on int32 ones with
         # more than one thread).
@@ -57,9 +56,7 @@ class DglLoop:
                                           num_workers=self._workers)
 
     def _batches(self, loader) -> Iterator:
-        with warnings.catch_warnings(), (loader.enable_cpu_affinity() if self._affinity
-                                         else contextlib.nullcontext()):
-            # Without affinity DGL asks for it (the tutorials do not set it): hidden.
+        with warnings.catch_warnings():  # DGL asks for CPU affinity (the tutorials do not set it): hidden
             warnings.filterwarnings("ignore", message=".*CPU affinity")
             for input_nodes, output_nodes, blocks in loader:
                 yield (self._feat[input_nodes].to(self.device), self._label[output_nodes].to(self.device),
@@ -103,14 +100,14 @@ class DglLoop:
         return right / max(total, 1)
 
 
-def end_to_end(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool = False) -> dict:
+def end_to_end(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
     """A whole run of ``cfg.train.epochs`` epochs: load the graph, build, train, validate each epoch, test."""
     from bench.harness import threads
     from gnnray.data.load import load_graph
 
     start = time.perf_counter()
     with threads(cores):
-        loop = DglLoop(load_graph(cfg.data, cfg.run.seed), cfg, loader_workers, affinity)
+        loop = DglLoop(load_graph(cfg.data, cfg.run.seed), cfg, loader_workers)
         ready, epochs, best = time.perf_counter() - start, [], 0.0
         for epoch in range(cfg.train.epochs):
             m = dict(epoch=epoch, **loop.epoch(), val_acc=loop.accuracy("valid"))
@@ -120,7 +117,7 @@ def end_to_end(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool =
                 m["test_acc"] = loop.accuracy("test")
             print(" ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
             epochs.append(m)
-    return dict(epochs=epochs, ready_s=ready, loader_workers=loader_workers, affinity=affinity, threads=cores)
+    return dict(epochs=epochs, ready_s=ready, loader_workers=loader_workers, threads=cores)
 
 
 def main(argv=None) -> int:
@@ -129,7 +126,7 @@ def main(argv=None) -> int:
     spec = json.loads((argv or sys.argv[1:])[0])
     from bench.harness import emit
 
-    emit(end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"], spec.get("affinity", False)))
+    emit(end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"]))
     return 0
 
 

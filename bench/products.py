@@ -14,6 +14,7 @@ memory peaks: the machine's used memory over its value before, and the PSS summe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -57,63 +58,37 @@ def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0)
 
 class Memory:
     """The machine's used memory over its start every 0.2 s, and once :attr:`pid` is set the PSS summed over
-    that process tree; who held the memory near each peak."""
+    that process tree, with its largest processes at the tree's peak."""
 
     def __init__(self):
         import psutil
 
-        self._psutil, self.base = psutil, psutil.virtual_memory().used
-        self.samples, self.tree, self._stop = [], [], threading.Event()
-        self.pid: int = 0
-        self.at_peak, self.at_tree_peak = {}, {}
+        self._psutil, self.base, self.pid = psutil, psutil.virtual_memory().used, 0
+        self.samples, self.tree, self.at_tree_peak, self._stop = [], [], {}, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        top, last, tree_top = 0, 0.0, 0
+        top = 0
         while not self._stop.wait(0.2):
-            now, used = time.perf_counter(), self._psutil.virtual_memory().used - self.base
-            self.samples.append((now, used))
-            if self.pid:
-                procs = self._tree_pss()
-                total = sum(p for p, _ in procs)
-                self.tree.append((now, total))
-                if total > tree_top:
-                    tree_top = total
-                    self.at_tree_peak = dict(pss_gb=total / 1e9, t=now,
-                                             top=[[round(p / 1e9, 3), c] for p, c in procs[:8]])
-            if used > top * 1.02 and now - last > 2.0:  # a new peak: who holds it (reading smaps takes time)
-                top, last = used, now
-                self.at_peak = dict(used_gb=used / 1e9, **self._holders())
+            now = time.perf_counter()
+            self.samples.append((now, self._psutil.virtual_memory().used - self.base))
+            procs = self._tree_pss() if self.pid else []
+            total = sum(p for p, _ in procs)
+            self.tree.append((now, total))
+            if total > top:
+                top, self.at_tree_peak = total, dict(pss_gb=total / 1e9, t=now,
+                                                     top=[[round(p / 1e9, 3), c] for p, c in procs[:8]])
 
     def _tree_pss(self) -> list:
         """(PSS bytes, command) of :attr:`pid` and every descendant, largest first."""
-        try:
-            root = self._psutil.Process(self.pid)
-            procs = [root] + root.children(recursive=True)
-        except self._psutil.Error:
-            return []
         out = []
-        for p in procs:
-            try:
-                out.append((p.memory_full_info().pss, " ".join(p.cmdline()[:3])[:80]))
-            except (self._psutil.Error, OSError):
-                continue
+        with contextlib.suppress(self._psutil.Error):
+            root = self._psutil.Process(self.pid)
+            for p in [root] + root.children(recursive=True):
+                with contextlib.suppress(self._psutil.Error, OSError):
+                    out.append((p.memory_full_info().pss, " ".join(p.cmdline()[:3])[:80]))
         return sorted(out, reverse=True)
-
-    def _holders(self) -> dict:
-        """USS of the largest processes, GB, and the machine's shared memory (the object store's pages)."""
-        procs = []
-        for p in self._psutil.process_iter(["name", "cmdline"]):
-            try:
-                uss = p.memory_full_info().uss
-            except (self._psutil.Error, OSError):
-                continue
-            cmd = " ".join((p.info["cmdline"] or [p.info["name"] or "?"])[:3])[:80]
-            procs.append((uss / 1e9, cmd))
-        procs.sort(reverse=True)
-        return dict(uss_gb=[[round(u, 3), c] for u, c in procs[:10]], uss_total_gb=sum(u for u, _ in procs),
-                    shared_gb=self._psutil.virtual_memory().shared / 1e9)
 
     def stop(self) -> None:
         self._stop.set()
@@ -121,8 +96,7 @@ class Memory:
 
     def peak(self, a: float, b: float, tree: bool = False) -> float:
         """Peak GB over ``[a, b]`` (perf_counter times): the machine's used memory, or the tree's PSS."""
-        inside = [m for t, m in (self.tree if tree else self.samples) if a <= t <= b]
-        return max(inside, default=0) / 1e9
+        return max((m for t, m in (self.tree if tree else self.samples) if a <= t <= b), default=0) / 1e9
 
 
 def timed_lines(cmd: list, env: dict, mem: "Memory | None" = None) -> tuple[list, float, float, int]:
@@ -166,7 +140,7 @@ def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dic
                              train_and_eval=mem.peak(at["published"], end), whole=mem.peak(start, end)),
                 tree_peak_gb=dict(load=mem.peak(start, at["graph"], True), whole=mem.peak(start, end, True),
                                   train_and_eval=mem.peak(at["published"], end, True)),
-                at_peak=mem.at_peak, at_tree_peak=mem.at_tree_peak,
+                at_tree_peak=mem.at_tree_peak,
                 output=[text for _, text in lines if not text.startswith("(")][-12:])
 
 
@@ -183,7 +157,7 @@ def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
                 peak_gb=dict(load=mem.peak(start, marks["loaded"]), train=mem.peak(marks["loaded"], marks["trained"]),
                              eval=mem.peak(marks["trained"], end), whole=mem.peak(start, end)),
                 tree_peak_gb=dict(load=mem.peak(start, marks["loaded"], True), whole=mem.peak(start, end, True)),
-                at_peak=mem.at_peak, at_tree_peak=mem.at_tree_peak)
+                at_tree_peak=mem.at_tree_peak)
 
 
 ENV = child_env(**ARROW_ENV)  # the scripts' environment: Arrow's allocator as the job sets it

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
-from bench.cpu import machine_busy_s
+from bench.cpu import machine_busy_s, processes, tree
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "jobs" / "train_arxiv.py"
@@ -60,32 +60,25 @@ _PLAIN = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 def _lines(path: str) -> list[str]:
     try:
-        with open(path, errors="replace") as f:
-            return f.read().splitlines()
+        return open(path, errors="replace").read().splitlines()
     except OSError:
         return []
 
 
 def _first(path: str, needle: str = "", pattern: re.Pattern = _BRACKETED) -> Optional[float]:
     """Time of the first timestamped line of ``path`` containing ``needle``."""
-    for line in _lines(path):
-        if needle in line:
-            m = pattern.match(line)
-            if m:
-                return _log_time(m.group(1))
-    return None
+    return next((_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [pattern.match(line)]
+                 if m), None)
 
 
-def _json_first(paths: list[str], needle: str) -> Optional[float]:
-    """Time of the first line containing ``needle`` in Ray Train's structured (JSON lines) logs."""
+def _json_first(paths: list[str], needle: str = "", head: int = 0) -> Optional[float]:
+    """Earliest line containing ``needle`` (of the first ``head`` lines) in Ray Train's JSON-lines logs."""
     times = []
     for path in paths:
-        for line in _lines(path):
-            if needle in line:
-                try:
+        for line in _lines(path)[:head or None]:
+            with contextlib.suppress(ValueError, KeyError):
+                if needle in line:
                     times.append(_log_time(json.loads(line)["asctime"]))
-                except (ValueError, KeyError):
-                    pass
     return min(times, default=None)
 
 
@@ -95,7 +88,7 @@ def session_logs(tmpdir: str, driver_pid: int) -> Optional[str]:
     return os.path.dirname(found[0]) if found else None
 
 
-def processes(logs: str, job_hex: str) -> list[dict]:
+def worker_processes(logs: str, job_hex: str) -> list[dict]:
     """Every worker process of the job: its actor, when the raylet launched it, registered, constructed it."""
     launched = {}
     for line in _lines(os.path.join(logs, "raylet.out")):
@@ -118,7 +111,7 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
     """Absolute times of :data:`MILESTONES` (``None`` where a run's logs do not show one) and its processes."""
     driver_log = glob.glob(os.path.join(logs, f"python-core-driver-*_{driver_pid}.log"))[0]
     job_hex = os.path.basename(driver_log).split("-")[3][:8]  # python-core-driver-<job id>ffff..._<pid>.log
-    procs = processes(logs, job_hex)
+    procs = worker_processes(logs, job_hex)
 
     def actor(prefix: str, key: str) -> Optional[float]:
         return min((p[key] for p in procs if (p["actor"] or "").startswith(prefix) and p[key]), default=None)
@@ -140,7 +133,7 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
         "graph_line": stdout_times.get("graph"),
         "ray_connected": _first(driver_log, "Initializing worker at address"),
         "controller_launched": actor("TrainController", "launched"),
-        "controller_running": min((t for p in controller for t in [_first_json(p)] if t), default=None),
+        "controller_running": _json_first(controller, head=1),
         "stream_started": data("Starting epoch 0"),
         "sampler_ready": actor("MapWorker", "constructed"),
         "worker_group_started": _json_first(controller, "Started training worker group"),
@@ -148,15 +141,6 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
         "first_step": first_step,
     }
     return times, procs
-
-
-def _first_json(path: str) -> Optional[float]:
-    for line in _lines(path)[:1]:
-        try:
-            return _log_time(json.loads(line)["asctime"])
-        except (ValueError, KeyError):
-            return None
-    return None
 
 
 class CpuWatch:
@@ -173,24 +157,12 @@ class CpuWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        import psutil
-
         while not self._stop.wait(self._every):
-            for pid in [self._root, *self._extra()]:
-                try:
-                    procs = [psutil.Process(pid)]
-                    procs += procs[0].children(recursive=True)
-                except psutil.Error:
-                    continue
-                for p in procs:
-                    try:
-                        t = p.cpu_times()
-                        self._seen[p.pid] = max(self._seen.get(p.pid, 0.0), t.user + t.system)
-                        name = _process_name(p)
-                        if name != "ray::IDLE" or p.pid not in self.names:  # keep the actor it became
-                            self.names[p.pid] = name
-                    except psutil.Error:
-                        pass
+            for pid, (cmd, cpu_s) in tree([self._root, *self._extra()]).items():
+                self._seen[pid] = max(self._seen.get(pid, 0.0), cpu_s)
+                name = _process_name(cmd)
+                if name != "ray::IDLE" or pid not in self.names:  # keep the actor it became
+                    self.names[pid] = name
 
     def by_process(self) -> dict[str, float]:
         """CPU seconds per kind of process (a Ray worker by its actor, or ``ray::IDLE``)."""
@@ -214,13 +186,12 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def _process_name(p) -> str:
+def _process_name(cmd: str) -> str:
     """``ray::Actor`` for a Ray worker, else the program and its first telling argument."""
-    cmd = p.cmdline()
-    if cmd and cmd[0].startswith("ray::"):
-        return cmd[0].split()[0].split(".")[0]  # ray::TrainController.run -> ray::TrainController
-    words = [os.path.basename(c) for c in cmd[:3] if not c.startswith("-")]
-    return " ".join(w for w in words if w and not w.startswith("python"))[:40] or p.name()
+    if cmd.startswith("ray::"):
+        return cmd.split()[0].split(".")[0]  # ray::TrainController.run -> ray::TrainController
+    words = [os.path.basename(c) for c in cmd.split()[:3] if not c.startswith("-")]
+    return " ".join(w for w in words if w and not w.startswith("python"))[:40] or "?"
 
 
 def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900,
@@ -298,27 +269,18 @@ class Head:
                         "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
                         "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
 
-    def processes(self) -> list:
-        """The head's own processes (their children, the workers, are found from them)."""
-        import psutil
-
-        found = []
-        for p in psutil.process_iter(["cmdline"]):
-            with contextlib.suppress(psutil.Error, TypeError):
-                if any(self.tmpdir in part for part in p.info["cmdline"] or []):
-                    found.append(p)
-        return found
-
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes()]
+        """The head's own processes (their children, the workers, are found from them)."""
+        return [pid for pid, (_, cmd, _) in processes().items() if self.tmpdir in cmd and pid != os.getpid()]
 
     def stop(self) -> None:
         import psutil
 
-        mine = self.processes()
-        for p in mine:
+        mine = []
+        for pid in self.pids():
             with contextlib.suppress(psutil.Error):
-                p.terminate()
+                mine.append(psutil.Process(pid))
+                mine[-1].terminate()
         for p in psutil.wait_procs(mine, timeout=15)[1]:
             with contextlib.suppress(psutil.Error):
                 p.kill()

@@ -1,9 +1,8 @@
 """The ``wall`` stage: whole runs as a user starts them, ours against the DGL loop's script, side by side.
 
 Ours: ``python jobs/train_arxiv.py`` with the benchmark's options (:func:`job_argv`; its own local cluster; also
-with 2 DDP workers, ``--cpu-plan off`` and ``--sample-on actors``); baselines: ``python -m bench.dgl_loop`` on as
-many threads as cores with ``DataLoader(num_workers=0)``, ``num_workers=1`` and ``num_workers=1`` with
-``enable_cpu_affinity``. Each runs for ``E_short`` and ``E_long`` epochs: a steady epoch takes
+with 2 DDP workers and ``--cpu-plan off``); baselines: ``python -m bench.dgl_loop`` on as many threads as cores
+with ``DataLoader(num_workers=0)`` and ``num_workers=1``. Each runs for ``E_short`` and ``E_long`` epochs: a steady epoch takes
 ``(wall_long - wall_short) / (E_long - E_short)`` seconds and as many machine CPU-seconds (``/proc/stat``,
 every process), start-up and the final test cancelled out. The configurations run in ``--wall-repeats``
 interleaved rounds; each figure is the median over rounds (whole runs drift 10-15% between hours). During
@@ -32,8 +31,7 @@ FIGURE = "whole runs"
 # The environment this process was started with (read before it starts Ray, which adds to it), less any
 # RAY_ADDRESS: a user's run on one machine starts its own cluster.
 USER_ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-DGL_LOADERS = {"DGL num_workers=0": (0, False), "DGL num_workers=1": (1, False),
-               "DGL num_workers=1 + enable_cpu_affinity": (1, True)}
+DGL_LOADERS = {"DGL num_workers=0": 0, "DGL num_workers=1": 1}
 
 
 def job_argv(cfg: JobConfig) -> list[str]:
@@ -87,8 +85,8 @@ def ours(cfg: JobConfig) -> dict:
                 epochs=epochs)
 
 
-def dgl(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool) -> dict:
-    spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers, affinity=affinity)
+def dgl(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
+    spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers)
     start, busy = time.perf_counter(), cpu.machine_busy_s()
     r = run_child([DGL_PYTHON, "-m", "bench.dgl_loop", json.dumps(spec)], USER_ENV, what="bench.dgl_loop")
     return dict(r, wall_s=time.perf_counter() - start, cpu_s=cpu.machine_busy_s() - busy, windows=[])
@@ -130,22 +128,16 @@ def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, ro
         # Ray's defaults as a new user gets them: one thread per --cpus-per-worker 1.
         OFF: lambda: ours(cfg("wall-off", cpu_plan="off")),
         # The sampler actor whatever the plan would choose: what CPU runs did before the plan chose.
-        ACTORS: lambda: ours(sampled_by_actors(cfg("wall-actors"))),
         ddp_name(s): lambda: ours(cfg("wall-ddp", workers=s.ddp_workers)),
     }
-    for name, (w, affinity) in DGL_LOADERS.items():
-        runs[name] = lambda w=w, affinity=affinity: dgl(one, s.cores, w, affinity)
+    for name, w in DGL_LOADERS.items():
+        runs[name] = lambda w=w: dgl(one, s.cores, w)
     return {k: v for k, v in runs.items() if not s.wall_only or k in chosen(s)}
 
 
-def sampled_by_actors(cfg: JobConfig) -> JobConfig:
-    return dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on="actors"))
-
-
-ONE, OFF, ACTORS = "ours, 1 worker", "ours, 1 worker, --cpu-plan off", "ours, 1 worker, --sample-on actors"
+ONE, OFF = "ours, 1 worker", "ours, 1 worker, --cpu-plan off"
 # --wall-only's short names.
-SHORT_NAMES = {"ours": ONE, "off": OFF, "actors": ACTORS, "ddp": None, "dgl0": "DGL num_workers=0", "dgl1": "DGL num_workers=1",
-               "dgl1-affinity": "DGL num_workers=1 + enable_cpu_affinity"}
+SHORT_NAMES = {"ours": ONE, "off": OFF, "ddp": None, "dgl0": "DGL num_workers=0", "dgl1": "DGL num_workers=1"}
 
 
 def ddp_name(s: Settings) -> str:
@@ -194,7 +186,7 @@ def rows_for(results: dict, s: Settings) -> list[Row]:
     best_name = max(dgl, key=lambda k: dgl[k]["seeds_per_s"]) if dgl else "DGL num_workers=0"
     best = dgl.get(best_name, results.get(best_name))
     one, off, ddp = results.get(ONE), results.get(OFF), results.get(ddp_name(s))
-    actors, loop0 = results.get(ACTORS), results.get("DGL num_workers=0")
+    loop0 = results.get("DGL num_workers=0")
     wanted = [
         (one, best, f"{FIGURE}: steady seeds/s, 1 worker vs best DGL ({best_name})", ">= 1.1x", "seeds_per_s",
          lambda r: r >= 1.1, "{:.0f}"),
@@ -202,10 +194,6 @@ def rows_for(results: dict, s: Settings) -> list[Row]:
          "cpu_s", lambda r: r <= 1.0, "{:.1f}"),
         (one, loop0, f"{FIGURE}: whole {s.wall_epochs[-1]}-epoch run (median), 1 worker vs DGL num_workers=0",
          "<= 1.15x", "whole_s", lambda r: r <= 1.15, "{:.1f} s"),
-        (one, actors, f"{FIGURE}: steady seeds/s, 1 worker, the plan's sampling vs --sample-on actors", "",
-         "seeds_per_s", None, "{:.0f}"),
-        (one, actors, f"{FIGURE}: whole {s.wall_epochs[-1]}-epoch run, the plan's sampling vs --sample-on actors",
-         "", "whole_s", None, "{:.1f} s"),
         (ddp, best, f"{FIGURE}: steady seeds/s, {s.ddp_workers} DDP workers vs best DGL ({best_name})", ">= 1.0x",
          "seeds_per_s", lambda r: r >= 1.0, "{:.0f}"),
         (ddp, loop0, f"{FIGURE}: CPU-s per steady epoch, {s.ddp_workers} DDP workers vs DGL num_workers=0", "",

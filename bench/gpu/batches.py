@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from typing import Callable
 
@@ -78,6 +79,24 @@ def count_syncs(fn) -> int:
             torch.cuda.set_sync_debug_mode("default")
     # Not "synchroniz" alone: the mode's own first notice ("... does not yet detect all synchronizing operations").
     return sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
+
+
+def timed_epoch(*args, **kwargs) -> dict:
+    """``train_epoch`` and its seconds."""
+    from gnnray.train.step import train_epoch
+
+    t = time.perf_counter()
+    return dict(train_epoch(*args, **kwargs), seconds=time.perf_counter() - t)
+
+
+def per_step(epoch: Callable[[int], dict], k: int = 4) -> dict:
+    """Host syncs and seconds a step, and the loss, of ``epoch(steps)`` (a :func:`timed_epoch`): the difference
+    between epochs of ``2k`` and ``k`` steps after a warm-up one, so the epoch's own read-back at its end cancels."""
+    epoch(k)  # warm-up: the allocator's first blocks, Adam's state
+    syncs = (count_syncs(lambda: epoch(2 * k)) - count_syncs(lambda: epoch(k))) / k
+    last = epoch(2 * k)
+    return dict(host_syncs_per_step=syncs if torch.cuda.is_available() else None, step_s=last["seconds"] / (2 * k),
+                loss=last["loss"])
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from bench.gpu.batches import REL_TOL, RELATIONS, build, count_syncs, median_s, sync, synthetic_batch
+from bench.gpu.batches import REL_TOL, RELATIONS, build, median_s, per_step, sync, synthetic_batch, timed_epoch
 
 
 def model_row(name: str, dev: torch.device, z: dict) -> dict:
@@ -52,19 +52,10 @@ def model_row(name: str, dev: torch.device, z: dict) -> dict:
 
 
 def syncs_per_step(model, mb, z: dict) -> float:
-    """Host syncs per ``train_epoch`` step (model, loss, Adam, metrics), by torch's sync debug mode: the
-    difference between epochs of ``2k`` and ``k`` steps, so the epoch's own read-back at its end cancels out."""
-    from gnnray.train.step import train_epoch
-
+    """Host syncs per ``train_epoch`` step (model, loss, Adam, metrics), by torch's sync debug mode."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    dev = mb.x.device
-
-    def count(steps: int) -> int:
-        return count_syncs(lambda: train_epoch(model, optimizer, iter([mb] * steps), steps, z["classes"], dev))
-
-    k = 4
-    count(k)  # warm-up: the allocator's first blocks, Adam's state
-    return (count(2 * k) - count(k)) / k
+    return per_step(lambda n: timed_epoch(model, optimizer, iter([mb] * n), n, z["classes"], mb.x.device))[
+        "host_syncs_per_step"]
 
 
 def layerwise_row(name: str, dev: torch.device, z: dict) -> dict:
