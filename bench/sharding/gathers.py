@@ -1,4 +1,9 @@
-"""1-4 (gather half): the object store per node, remote rows per batch and the cache hit rate, read by probes."""
+"""The sharding section's gathers: the object store per node, remote rows per batch and the cache hit rate.
+
+Probe actors pinned to nodes read features as a train worker does (``reader_for``, one gather each); the
+job's objects' locations give the bytes on each node. The K = 1 reader on the head runs before and after each
+configuration: the baseline is the mean of the two.
+"""
 
 from __future__ import annotations
 
@@ -158,40 +163,33 @@ def bench_cluster_gathers(cl: SimulatedCluster, ss: ShardSettings, data, out: di
 
 
 def gather_rows(ss: ShardSettings, layouts: dict, gathers: dict) -> list[Row]:
-    rows = []
+    def row(figure, ours, base, ratio, detail=None) -> Row:
+        return Row(f"{FIGURE}: {figure}", ours=ours, baseline=base, ratio=f"{ratio:.2f}x", target="-", met="-",
+                   detail=detail or {})
+
+    rows, k = [], max(ss.shards)
     node_mib = {k: {n: sum(v.values()) / MIB for n, v in layouts[k].items()} for k in ss.shards if k in layouts}
     base_max = max(node_mib[1].values())
-    for k in ss.shards:
-        if k == 1 or k not in node_mib:
-            continue
-        top, low = max(node_mib[k].values()), min(node_mib[k].values())
-        e = layouts[f"{k} expected per shard node"]
-        rows.append(Row(f"{FIGURE}: object store per node, K={k} (max / min over nodes; structure+shard+cache = "
-                        f"{sum(e.values()) / MIB:.1f})", ours=f"{top:.1f} / {low:.1f} MiB",
-                        baseline=f"{base_max:.1f} MiB (K=1)", ratio=f"{top / base_max:.2f}x", target="-", met="-",
-                        detail=dict(per_node_mib=node_mib[k], replicated_per_node_mib=node_mib[1])))
-    for k in ss.shards:
-        key = f"K={k}, cache {ss.cache:g}"
-        if k == 1 or f"{key}, head" not in gathers:
-            continue
+    for j in (j for j in ss.shards if j > 1 and j in node_mib):
+        top, low, e = max(node_mib[j].values()), min(node_mib[j].values()), layouts[f"{j} expected per shard node"]
+        rows.append(row(f"object store per node, K={j} (max / min over nodes; structure+shard+cache = "
+                        f"{sum(e.values()) / MIB:.1f})", f"{top:.1f} / {low:.1f} MiB", f"{base_max:.1f} MiB (K=1)",
+                        top / base_max, dict(per_node_mib=node_mib[j], replicated_per_node_mib=node_mib[1])))
+    readers = (("head (no shard)", "head"), ("shard node", "shard node"))
+    for j in (j for j in ss.shards if j > 1 and f"K={j}, cache {ss.cache:g}, head" in gathers):
+        key = f"K={j}, cache {ss.cache:g}"
         b = gathers[f"{key}, K=1 head beside"]
-        for where, suffix in (("head (no shard)", "head"), ("shard node", "shard node")):
+        for where, suffix in readers:
             g = gathers[f"{key}, {suffix}"]
-            rows.append(Row(f"{FIGURE}: remote MiB per batch, {key}, reader on {where}",
-                            ours=f"{g['remote_mib']:.1f} ({g['remote_share']:.0%} of rows)",
-                            baseline=f"{g['batch_mib']:.1f} (batch)",
-                            ratio=f"{g['remote_mib'] / g['batch_mib']:.2f}x", target="-", met="-", detail=g))
-            rows.append(Row(f"{FIGURE}: gather ms per batch (remote wait), {key}, reader on {where}",
-                            ours=f"{g['gather_ms']:.0f} ({g['wait_ms']:.0f})", baseline=f"{b['gather_ms']:.0f} (K=1)",
-                            ratio=f"{g['gather_ms'] / b['gather_ms']:.2f}x", target="-", met="-",
-                            detail=dict(ours=g, baseline=b)))
-    k = max(ss.shards)
+            rows.append(row(f"remote MiB per batch, {key}, reader on {where}", f"{g['remote_mib']:.1f} "
+                            f"({g['remote_share']:.0%} of rows)", f"{g['batch_mib']:.1f} (batch)",
+                            g["remote_mib"] / g["batch_mib"], g))
+            rows.append(row(f"gather ms per batch (remote wait), {key}, reader on {where}", f"{g['gather_ms']:.0f} "
+                            f"({g['wait_ms']:.0f})", f"{b['gather_ms']:.0f} (K=1)", g["gather_ms"] / b["gather_ms"],
+                            dict(ours=g, baseline=b)))
     none = gathers.get(f"K={k}, cache 0, head")
-    for cache in ss.caches:
-        key = f"K={k}, cache {cache:g}"
-        if f"{key}, head" not in gathers:
-            continue
-        g, n = gathers[f"{key}, head"], gathers[f"{key}, shard node"]
+    for cache in (c for c in ss.caches if f"K={k}, cache {c:g}, head" in gathers):
+        g, n = gathers[f"K={k}, cache {cache:g}, head"], gathers[f"K={k}, cache {cache:g}, shard node"]
         rows.append(Row(f"{FIGURE}: cache hit rate, --feature-cache {cache:g} (K={k}); remote MiB/batch head / "
                         f"shard node", ours=f"{g['cache_hit_rate']:.1%}; {g['remote_mib']:.1f} / {n['remote_mib']:.1f}",
                         baseline=f"{cache:.0%}; {none['remote_mib']:.1f} (cache 0)" if none else f"{cache:.0%}",
@@ -200,10 +198,8 @@ def gather_rows(ss: ShardSettings, layouts: dict, gathers: dict) -> list[Row]:
     key = f"K={k}, cache {ss.cache:g}"
     if f"{key}, head" in gathers:
         b = gathers[f"{key}, K=1 head beside"]
-        for where, suffix in (("head (no shard)", "head"), ("shard node", "shard node")):
+        for where, suffix in readers:
             g = gathers[f"{key}, {suffix}"]
-            rows.append(Row(f"{FIGURE}: gather rows/s, K={k} vs K=1, reader on {where}",
-                            ours=f"{g['rows_per_s']:,.0f}", baseline=f"{b['rows_per_s']:,.0f}",
-                            ratio=f"{g['rows_per_s'] / b['rows_per_s']:.2f}x", target="-", met="-",
-                            detail=dict(ours=g, baseline=b)))
+            rows.append(row(f"gather rows/s, K={k} vs K=1, reader on {where}", f"{g['rows_per_s']:,.0f}",
+                            f"{b['rows_per_s']:,.0f}", g["rows_per_s"] / b["rows_per_s"], dict(ours=g, baseline=b)))
     return rows

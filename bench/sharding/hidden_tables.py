@@ -154,41 +154,50 @@ def remote_rows(graph, lo: int, hi: int, chunk: int) -> int:
     return total
 
 
-def on_cluster(ss: ShardSettings, data, store_mib: int, verbose: bool) -> dict:
-    """K = 3 then K = 1 on a new simulated cluster whose nodes have ``store_mib`` stores: the same ranks on the same
-    nodes (the shard nodes, in shard order), the same weights."""
+def runs_on(ss: ShardSettings, data, store_mib: int, plan: tuple, layers: int, hidden: int, verbose: bool,
+            **run_kw) -> dict:
+    """On a new simulated cluster with ``store_mib`` stores: for each ``(name, K, sampled)`` of ``plan``, the
+    ranks on the shard nodes (K > 1; else the first run's nodes) with the same weights (:func:`run_ranks`)."""
     import ray
     import torch
 
+    from gnnray.config import parse_args
     from gnnray.models.model import build_model
 
-    k, runs = max(ss.shards), {}
+    runs = {}
     cl = SimulatedCluster(dataclasses.replace(ss, store_mib=store_mib), verbose)
     try:
-        for shards in (k, 1):
+        for name, shards, sampled in plan:
             pub, _ = publish(data, shards, ss.cache, ss.seed)
             graph, handle = pub.graph, pub.handle
             torch.manual_seed(ss.seed)
-            model = build_model(ss.feat_dim, graph.num_classes, ss.infer_layers, ss.infer_hidden, 0.0).eval()
-            nodes = [s.node_id for s in handle.features.shards] if shards > 1 else runs[k]["nodes"]
-            run = run_ranks(cl, handle, model, nodes, graph.num_nodes, ss.infer_chunk, ss.poll_s)
-            run["nodes"] = nodes
-            if shards > 1:
+            model = build_model(ss.feat_dim, graph.num_classes, layers, hidden, 0.0).eval()
+            nodes = [s.node_id for s in handle.features.shards] if shards > 1 else list(runs.values())[-1]["nodes"]
+            cfg = dataclasses.replace(parse_args(["--fanouts", ",".join(["10"] * layers)]), data=dataclasses.replace(
+                data, feature_shards=shards)) if sampled else None
+            runs[name] = run = dict(run_ranks(cl, handle, model, nodes, graph.num_nodes, sampled=cfg, **run_kw),
+                                    nodes=nodes)
+            if shards > 1 and "read" not in run_kw:  # the servers' own count, and the rows fetched
                 run["server_peak_mib"] = {cl.name(s.node_id): ray.get(s.server.hidden_bytes.remote())["peak"] / MIB
                                           for s in handle.features.shards}
-                run["fetched_mib_per_layer"] = {cl.name(s.node_id): remote_rows(graph, s.lo, s.hi, ss.infer_chunk)
-                                                * ss.infer_hidden * 4 / MIB for s in handle.features.shards}
-            runs[shards] = run
-            m = run["mib"]
-            print(f"  layer-wise, {store_mib} MiB stores, K={shards}, per node: store peak primary copies / all "
-                  f"objects, spilled, fallback: " + ", ".join(
-                      f"{n} +{m[PRIMARY][n]:.1f} / +{m[USED][n]:.1f}, {m[SPILLED][n]:.1f}, {m[FALLBACK][n]:.1f} MiB"
-                      for n in m[USED]) + f"; {run['wall_s']:.1f} s", flush=True)
+                run["fetched_mib_per_layer"] = {cl.name(s.node_id): remote_rows(graph, s.lo, s.hi, run_kw["chunk"])
+                                                * hidden * 4 / MIB for s in handle.features.shards}
+            fields = run_kw.get("fields", FIELDS)
+            print(f"  {name}, {store_mib} MiB stores: per node, store peak {', '.join(fields)}: " + ", ".join(
+                f"{n} " + " / ".join(f"+{run['mib'][f][n]:.1f}" for f in fields) for n in run["mib"][fields[0]])
+                + f" MiB; {run['wall_s']:.1f} s", flush=True)
             del pub, graph, handle
             gc.collect()
     finally:
         cl.close()
     return runs
+
+
+def on_cluster(ss: ShardSettings, data, store_mib: int, verbose: bool) -> dict:
+    """K = 3 then K = 1, inference on the same nodes, by K."""
+    k = max(ss.shards)
+    return runs_on(ss, data, store_mib, ((k, k, False), (1, 1, False)), ss.infer_layers, ss.infer_hidden, verbose,
+                   chunk=ss.infer_chunk, poll_s=ss.poll_s)
 
 
 def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]:
@@ -256,36 +265,17 @@ def bench_stores(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]
     Ray reporting every ``metrics_s``) at its peak, layer-wise against sampled, and the bound 2 x table / K."""
     import os
 
-    import torch
-
-    from gnnray.config import parse_args
-    from gnnray.models.model import build_model
     from gnnray.store.shards import hidden_nbytes
 
-    k, runs = max(ss.shards), {}
+    k = max(ss.shards)
     interval = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = str(int(ss.metrics_s * 1000))  # the cluster's processes read it
-    cl = SimulatedCluster(dataclasses.replace(ss, store_mib=ss.stores_store_mib), verbose)
     try:
-        for name, shards in (("sampled", k), ("layerwise", k), ("layerwise K=1", 1)):
-            pub, _ = publish(data, shards, ss.cache, ss.seed)
-            graph, handle = pub.graph, pub.handle
-            torch.manual_seed(ss.seed)
-            model = build_model(ss.feat_dim, graph.num_classes, ss.stores_layers, ss.stores_hidden, 0.0).eval()
-            nodes = [s.node_id for s in handle.features.shards] if shards > 1 else runs["layerwise"]["nodes"]
-            cfg = dataclasses.replace(parse_args(["--fanouts", ",".join(["10"] * ss.stores_layers)]), data=dataclasses
-                                      .replace(data, feature_shards=shards)) if name == "sampled" else None
-            run = run_ranks(cl, handle, model, nodes, graph.num_nodes, ss.stores_chunk, ss.metrics_s,
-                            read=metrics_store_bytes, fields=(METRICS,), sampled=cfg)
-            run["nodes"] = nodes
-            runs[name] = run
-            print(f"  {name}, {ss.stores_store_mib} MiB stores, K={shards}: each node's store peak (whole use) "
-                  + ", ".join(f"{n} {v:.1f}" for n, v in run["peak_mib"].items()) + f" MiB; {run['wall_s']:.1f} s",
-                  flush=True)
-            del pub, graph, handle
-            gc.collect()
+        runs = runs_on(ss, data, ss.stores_store_mib, (("sampled", k, True), ("layerwise", k, False),
+                                                       ("layerwise K=1", 1, False)), ss.stores_layers,
+                       ss.stores_hidden, verbose, chunk=ss.stores_chunk, poll_s=ss.metrics_s, read=metrics_store_bytes,
+                       fields=(METRICS,))
     finally:
-        cl.close()
         if interval is None:
             os.environ.pop("RAY_metrics_report_interval_ms", None)
         else:
