@@ -170,14 +170,15 @@ def bench_sampler(graph: Graph, handle, seed_ids: np.ndarray, s: Settings) -> li
 
     def plain_loop() -> dict:
         r = plain_sampling(graph, s.fanouts, batches, s.sampler_warmup)
-        print(f"[2] plain loop, 1 thread: {r['batches_per_s']:.1f} batches/s, {r['cpu_ms']:.0f} ms of CPU", flush=True)
+        print(f"[sampler] plain loop, 1 thread: {r['batches_per_s']:.1f} batches/s, {r['cpu_ms']:.0f} ms of CPU",
+              flush=True)
         return r
 
     def pipeline(k: int) -> dict:
         m = pipeline_rate(handle, seed_ids, s, k, epochs)
-        print(f"[2] pipeline k={k}: {m['total_batches_per_s']:.1f} batches/s total, {m['per_actor_batches_per_s']:.1f} "
-              f"per actor; in the actor {m['in_call_ms']:.1f} ms/batch in calls, {m['between_calls_ms']:.1f} ms "
-              f"between, {m['cpu_ms']:.0f} ms of CPU; consumer {m['consumer_lag_end_s']:.2f} s behind at the end; "
+        print(f"[sampler] pipeline k={k}: {m['total_batches_per_s']:.1f} batches/s total, "
+              f"{m['per_actor_batches_per_s']:.1f} per actor; in the actor {m['in_call_ms']:.1f} ms/batch in calls, "
+              f"{m['between_calls_ms']:.1f} ms between, {m['cpu_ms']:.0f} ms of CPU; consumer {m['consumer_lag_end_s']:.2f} s behind at the end; "
               f"cores used: {m['cores_by_process']}", flush=True)
         return m
 
@@ -226,6 +227,6 @@ def plain_processes(handle, batches: list, s: Settings, n: int) -> list[dict]:
     task = ray.remote(num_cpus=1)(plain_sampling_task)
     barrier = ray.remote(num_cpus=0)(Barrier).remote(n)
     loops = ray.get([task.remote(handle, s.fanouts, batches, s.sampler_warmup, barrier) for _ in range(n)])
-    print(f"[2] {n} plain loop(s) in Ray worker processes at once: "
+    print(f"[sampler] {n} plain loop(s) in Ray worker processes at once: "
           f"{sum(r['batches_per_s'] for r in loops):.1f} batches/s in total", flush=True)
     return loops

@@ -101,7 +101,7 @@ def grow(probes: list, handle, copy: bool, s: Settings) -> dict:
         uss = sum(a[0] - b[0] for a, b in zip(now, idle)) / 2**20
         pss = sum(a[1] - b[1] for a, b in zip(now, idle)) / 2**20
         points.append(dict(processes=n, uss_growth_mib=uss, pss_growth_mib=pss))
-        print(f"[4] {variant}: {n} processes: USS +{uss:.0f} MiB, PSS +{pss:.0f} MiB", flush=True)
+        print(f"[memory] {variant}: {n} processes: USS +{uss:.0f} MiB, PSS +{pss:.0f} MiB", flush=True)
     ray.get([p.drop.remote() for p in probes])
     return dict(points=points, per_process_mib=points[-1]["uss_growth_mib"] / points[-1]["processes"],
                 batch_feature_buffer_mib=float(np.mean(buffers)))

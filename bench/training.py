@@ -79,7 +79,7 @@ def bench_fast_trainer(data: DataConfig, graph: Graph, s: Settings, workdir: Pat
 
 
 def sampling_ms(graph: Graph, s: Settings, batches: int = 40, warmup: int = 8) -> dict:
-    """Milliseconds to sample one of the job's batches in a plain loop on one thread (figure 2's baseline)."""
+    """Milliseconds to sample one of the job's batches in a plain loop on one thread (the sampler stage's baseline)."""
     from bench.actors import plain_sampling, same_seed_batches
 
     r = plain_sampling(graph, s.fanouts, same_seed_batches(graph.train_idx, s, batches)[0], warmup)

@@ -89,7 +89,7 @@ def table(result: dict) -> str:
 
 
 def bench_gpu(s) -> list:
-    """Figure 5 of ``python -m bench``: the prefetch row on CUDA; n/a without a GPU."""
+    """``python -m bench``'s gpu stage: the prefetch row on CUDA; n/a without a GPU."""
     from bench.harness import Row, verdict
 
     if not torch.cuda.is_available():

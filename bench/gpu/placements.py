@@ -85,12 +85,11 @@ def _text(b) -> str:
 def ceiling(options: list, dev: torch.device, batches: int, passes: int = 3) -> dict:
     """model + loss + Adam over ``batches`` sampled batches already on ``dev``: seconds a step (median pass after
     the first)."""
+    from bench.gpu.stages import ceiling_s
     from gnnray.config import parse_args
     from gnnray.data.load import load_graph
-    from gnnray.models.model import model_for
     from gnnray.sampler.sampler import make_sampler
     from gnnray.seeds import steps_per_epoch
-    from gnnray.train.step import train_epoch
 
     cfg = parse_args([*COMMON, *options])
     graph = load_graph(cfg.data, cfg.run.seed)
@@ -102,15 +101,8 @@ def ceiling(options: list, dev: torch.device, batches: int, passes: int = 3) -> 
         mb = sampler.sample(seeds)
         mb.x = torch.from_numpy(np.asarray(graph.feat[mb.input_nodes.numpy()], dtype=np.float32))
         on_device.append(mb.to(dev))
-    torch.manual_seed(0)
-    model = model_for(graph.feat_dim, graph.num_classes, cfg).to(dev)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
-    times = []
-    for _ in range(passes):
-        stats = train_epoch(model, optimizer, iter(on_device), len(on_device), graph.num_classes, dev)
-        times.append(stats["epoch_time"] / len(on_device))
     inputs = statistics.mean(int(mb.input_nodes.shape[0]) for mb in on_device)
-    return dict(step_s=statistics.median(times[1:] or times), input_nodes=inputs,
+    return dict(step_s=ceiling_s(cfg, graph, on_device, dev, passes), input_nodes=inputs,
                 steps=steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, 1),
                 feature_mb=inputs * graph.feat_dim * 4 / 2**20)
 

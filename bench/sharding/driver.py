@@ -1,4 +1,4 @@
-"""6: the driver's memory against the feature table (fresh driver processes, their own peak RSS)."""
+"""The sharding section's driver memory against the feature table (fresh driver processes, their own peak RSS)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from bench.sharding.cluster import FIGURE, MIB, ShardSettings, SimulatedCluster
 _DRIVER_PROBE = """
 import ctypes, json, resource, sys
 import psutil
+from bench.harness import emit
 limit = int(sys.argv[2])
 if limit:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
@@ -26,27 +27,24 @@ ctypes.CDLL("libc.so.6").malloc_trim(0)
 info = psutil.Process().memory_full_info()
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 # VmHWM (this process's peak RSS), not ru_maxrss, which keeps the forking parent's across exec.
-print("RESULT" + json.dumps(dict(peak_rss=int(status["VmHWM"].split()[0]) * 1024, rss=info.rss,
-                                 uss=info.uss, vm_data=int(status["VmData"].split()[0]) * 1024,
-                                 source=type(pub.source).__name__)))
+emit(dict(peak_rss=int(status["VmHWM"].split()[0]) * 1024, rss=info.rss, uss=info.uss,
+          vm_data=int(status["VmData"].split()[0]) * 1024, source=type(pub.source).__name__))
 """
 
 
 def driver_memory(address: str, data, name: str, workdir: Path, limit_bytes: int = 0) -> dict:
     """The driver's peak RSS, and RSS and USS after publishing ``data``, in a fresh process joining ``address``
     (under ``RLIMIT_DATA`` = ``limit_bytes`` if given: private memory past it fails the process)."""
-    import subprocess
     import sys
 
+    from bench.harness import run_child
+
     spec = dict(data=dataclasses.asdict(data), run=dict(name=name, storage_path=str(workdir / "runs")))
-    env = dict(os.environ, RAY_ADDRESS=address)
-    proc = subprocess.run([sys.executable, "-c", _DRIVER_PROBE, json.dumps(spec), str(limit_bytes)], env=env,
-                          capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parents[2])
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    if proc.returncode or not lines:
-        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        return dict(failed=f"exit {proc.returncode}: {tail}")
-    return json.loads(lines[-1][len("RESULT"):])
+    try:
+        return run_child([sys.executable, "-c", _DRIVER_PROBE, json.dumps(spec), str(limit_bytes)],
+                         dict(os.environ, RAY_ADDRESS=address), timeout=1800, what="the driver")
+    except RuntimeError as exc:  # a driver over its limit fails: that is a result
+        return dict(failed=str(exc).splitlines()[-1])
 
 
 def bench_driver_memory(cl: SimulatedCluster, ss: ShardSettings, data, workdir: Path, out: dict) -> list[Row]:

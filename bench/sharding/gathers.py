@@ -88,7 +88,7 @@ def _layout(cl: SimulatedCluster, handle, baseline=None) -> tuple[dict, dict]:
 
 
 def bench_cluster_gathers(cl: SimulatedCluster, ss: ShardSettings, data, out: dict) -> list[Row]:
-    """Figures 1-3 and the gather half of 4: per-node layout, remote fetch per batch, cache hit rates."""
+    """Per-node layout, remote fetch per batch, cache hit rates, and the gather's rows/s."""
     import ray
 
     from gnnray.sampler.sampler import Sampler

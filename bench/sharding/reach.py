@@ -1,4 +1,4 @@
-"""5. Sampling only (no Ray, one process): what a batch reaches, the basis of docs/scaling.md#what-a-batch-reaches."""
+"""What a batch reaches, sampling only (no Ray, one process): the basis of docs/scaling.md#what-a-batch-reaches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""4 (throughput half) and 7: ``fit.run`` with K = 3 against K = 1, seeds/s and the job's CPU per steady epoch."""
+"""``fit.run`` with K = 3 against K = 1: training seeds/s and the job's CPU-seconds per steady epoch."""
 
 from __future__ import annotations
 
