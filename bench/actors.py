@@ -178,8 +178,8 @@ def bench_sampler(graph: Graph, handle, seed_ids: np.ndarray, s: Settings) -> li
         m = pipeline_rate(handle, seed_ids, s, k, epochs)
         print(f"[sampler] pipeline k={k}: {m['total_batches_per_s']:.1f} batches/s total, "
               f"{m['per_actor_batches_per_s']:.1f} per actor; in the actor {m['in_call_ms']:.1f} ms/batch in calls, "
-              f"{m['between_calls_ms']:.1f} ms between, {m['cpu_ms']:.0f} ms of CPU; consumer {m['consumer_lag_end_s']:.2f} s behind at the end; "
-              f"cores used: {m['cores_by_process']}", flush=True)
+              f"{m['between_calls_ms']:.1f} ms between, {m['cpu_ms']:.0f} ms of CPU; consumer "
+              f"{m['consumer_lag_end_s']:.2f} s behind at the end; cores used: {m['cores_by_process']}", flush=True)
         return m
 
     rows = []

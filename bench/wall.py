@@ -4,9 +4,10 @@ Ours: ``python jobs/train_arxiv.py`` with the benchmark's options (:func:`job_ar
 with 2 DDP workers and ``--cpu-plan off``); baselines: ``python -m bench.dgl_loop`` on as many threads as cores
 with ``DataLoader(num_workers=0)`` and ``num_workers=1``. Each runs for ``E_short`` and ``E_long`` epochs:
 a steady epoch takes ``(wall_long - wall_short) / (E_long - E_short)`` seconds and as many machine
-CPU-seconds (``/proc/stat``, every process), start-up and the final test cancelled out. The configurations run in ``--wall-repeats``
-interleaved rounds; each figure is the median over rounds (whole runs drift 10-15% between hours). During
-ours' long run :mod:`bench.cpu` snapshots every process at each epoch line: the table of where the time goes.
+CPU-seconds (``/proc/stat``, every process), start-up and the final test cancelled out. The configurations
+run in ``--wall-repeats`` interleaved rounds; each figure is the median over rounds (whole runs drift 10-15%
+between hours). During ours' long run :mod:`bench.cpu` snapshots every process at each epoch line: the table
+of where the time goes.
 """
 
 from __future__ import annotations
