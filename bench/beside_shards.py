@@ -34,8 +34,6 @@ def _store_layout(cl, handle) -> dict:
 
 
 def run_one(cl, data, cache: float, beside: bool, workdir: Path, hidden: int) -> dict:
-    import ray
-
     import gnnray.driver.fit as fit
     from bench.settings import Settings, job_config
     from gnnray.driver import launch, plans
@@ -58,7 +56,7 @@ def run_one(cl, data, cache: float, beside: bool, workdir: Path, hidden: int) ->
         launch.load_and_publish, plans.beside_shards = original_publish, original_beside
     handle = published[-1].handle
     shards = {s.node_id: i for i, s in enumerate(handle.features.shards)}
-    head = ray.get_runtime_context().get_node_id()
+    head = cl.head
     workers = [i["Address"]["NodeID"] for aid, i in actor_table().items()
                if aid not in before and "TrainWorker" in i["ActorClassName"]]
     m = summary.metrics

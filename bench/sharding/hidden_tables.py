@@ -157,7 +157,7 @@ def remote_rows(graph, lo: int, hi: int, chunk: int) -> int:
 def runs_on(ss: ShardSettings, data, store_mib: int, plan: tuple, layers: int, hidden: int, verbose: bool,
             **run_kw) -> dict:
     """On a new simulated cluster with ``store_mib`` stores: for each ``(name, K, sampled)`` of ``plan``, the
-    ranks on the shard nodes (K > 1; else the first run's nodes) with the same weights (:func:`run_ranks`)."""
+    ranks on the shard nodes (K > 1; else the last run's nodes) with the same weights (:func:`run_ranks`)."""
     import ray
     import torch
 
