@@ -109,19 +109,23 @@ def timed_lines(cmd: list, env: dict, mem: "Memory | None" = None) -> tuple[list
     return lines, start, time.perf_counter(), proc.wait()
 
 
+def watched(cmd: list, env: dict, what: str) -> tuple:
+    """:func:`timed_lines` with :class:`Memory` following the run: lines, start, end and the memory."""
+    mem = Memory()
+    lines, start, end, rc = timed_lines(cmd, env, mem)
+    mem.stop()
+    if rc:
+        raise RuntimeError(f"{what} exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
+    return lines, start, end, mem
+
+
 def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dict:
     name = f"products-{int(time.time())}"
     argv = [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), "--dataset", str(graph_dir),
             "--random-features", str(feat), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1",
-            "--model", "sage",
-            "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024", "--eval", "sampled",
+            "--model", "sage", "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024", "--eval", "sampled",
             "--epochs", "1", "--storage-path", str(work), "--name", name, *extra]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    mem = Memory()
-    lines, start, end, rc = timed_lines(argv, env, mem)
-    mem.stop()
-    if rc:
-        raise RuntimeError(f"gnnray exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
+    lines, start, end, mem = watched(argv, {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "gnnray")
     at = {}
     for i, (t, text) in enumerate(lines):
         if text.startswith("graph ") and "graph" not in at:
@@ -146,11 +150,7 @@ def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dic
 
 def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
     spec = json.dumps(dict(graph=str(graph_dir), feat=feat))
-    mem = Memory()
-    lines, start, end, rc = timed_lines([python, "-m", "bench.products", "--dgl-script", spec], ENV, mem)
-    mem.stop()
-    if rc:
-        raise RuntimeError(f"the DGL script exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
+    lines, start, end, mem = watched([python, "-m", "bench.products", "--dgl-script", spec], ENV, "the DGL script")
     marks = {text[len(MARK):]: t for t, text in lines if text.startswith(MARK)}
     result = json.loads([text for _, text in lines if text.startswith("RESULT ")][-1][len("RESULT "):])
     return dict(result, whole_s=end - start, load_s=marks["loaded"] - start,
