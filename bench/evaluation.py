@@ -18,6 +18,7 @@ import torch
 def main(argv=None) -> int:
     import ray
 
+    from bench.harness import report, side_by_side
     from gnnray.config import DataConfig, JobConfig, ModelConfig, SamplerConfig, TrainConfig
     from gnnray.data.load import load_graph
     from gnnray.models.model import model_for
@@ -66,9 +67,7 @@ def main(argv=None) -> int:
             f += time.perf_counter() - t
         samples.append(s / (steps * a.batch_size) * 1000)
         forwards.append(f / (steps * a.batch_size) * 1000)
-    from bench.harness import report, side_by_side
-
-    train = [a_ + b_ for a_, b_ in zip(samples, forwards)]
+    train = [x + y for x, y in zip(samples, forwards)]
     row = side_by_side("seconds per 1k seeds: evaluation vs training's sampling + forward", evals, train, "{:.3f}",
                        sample=samples, forward=forwards, peak_in_flight=evaluator.peak_in_flight)
     report([row], a.json, f"fanouts {fanouts}, batch {a.batch_size}, eval batch {a.eval_batch_size}, {seeds} "

@@ -47,6 +47,7 @@ def dgl_convs(model, sizes: list[int]):
 
 
 def main(argv=None) -> int:
+    from bench.harness import interleaved, report, side_by_side
     from gnnray.config import DataConfig
     from gnnray.data.load import load_graph
     from gnnray.models.model import build_model
@@ -79,8 +80,6 @@ def main(argv=None) -> int:
     wide = graph.indptr.astype(np.int64), graph.indices.astype(np.int64)
     g = to_dgl(type(graph)(**{**vars(graph), "indptr": wide[0], "indices": wide[1]}))
     feat = torch.from_numpy(np.ascontiguousarray(graph.feat, dtype=np.float32))
-
-    from bench.harness import interleaved, report, side_by_side
 
     out = {}
 
