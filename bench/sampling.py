@@ -19,21 +19,11 @@ import time
 
 import numpy as np
 
-from bench.harness import DEFAULT_DATASET, REPO, interleaved, write_json
+from bench.harness import DEFAULT_DATASET, REPO, dgl_or_none, interleaved, write_json
 from gnnray.data.graph import Graph
 
 PRODUCTS_NODES = 2_449_029
 BATCH = 1024
-
-
-def has_dgl() -> bool:
-    try:
-        from gnnray.sampler.graphbolt import import_dgl
-
-        import_dgl()
-        return True
-    except Exception:  # ConfigError: DGL cannot load beside this torch
-        return False
 
 
 def side_by_side(samplers: dict, batches: list, warmup: int) -> dict:
@@ -112,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--dataset", default=str(DEFAULT_DATASET), help="the arxiv structure's graph directory")
     p.add_argument("--json", help="write the results here too")
     args = p.parse_args(argv)
-    graphbolt = has_dgl()
+    graphbolt = dgl_or_none() is not None
     if not graphbolt:
         print("DGL cannot be loaded here (current torch): gnnray's sampler only", flush=True)
     results = []

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from bench.cpu import machine_busy_s, processes, tree
+from bench.harness import REPO, write_json
 
-REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "jobs" / "train_arxiv.py"
 DEFAULT_OPTIONS = ["--dataset", "synthetic", "--epochs", "1", "--num-workers", "1", "--sampler-actors", "1",
                    "--eval", "sampled"]
@@ -347,9 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     later = runs[1:] if args.join and len(runs) > 1 else runs
     print(table(summary(later), len(later)))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(label=args.label, join=args.join, options=DEFAULT_OPTIONS + extra, runs=runs,
-                           median=summary(later), load=os.getloadavg()), f, indent=1)
+        write_json(args.json, dict(label=args.label, join=args.join, options=DEFAULT_OPTIONS + extra, runs=runs,
+                                   median=summary(later), load=os.getloadavg()))
     return 0
 
 
