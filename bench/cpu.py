@@ -89,6 +89,17 @@ def tree_cpu_s(root: int) -> float:
     return sum(cpu_s for _, cpu_s in tree([root]).values())
 
 
+def between(before: dict, after: dict) -> dict:
+    """CPU-seconds per group between two snapshots, plus ``machine`` (all processes) and ``other``."""
+    out: dict = {}
+    for pid, (group, cpu) in after["procs"].items():
+        start = before["procs"].get(pid, (group, 0.0))[1]
+        out[group] = out.get(group, 0.0) + cpu - start
+    out["machine"] = after["machine"] - before["machine"]
+    out["other"] = out["machine"] - sum(v for k, v in out.items() if k != "machine")
+    return out
+
+
 @contextlib.contextmanager
 def on_new_lines(path, snap: Callable[[], object], every_s: float = 0.1) -> Iterator[list]:
     """While the block runs, ``snap()`` each time a line is added to ``path`` (a run's ``metrics.jsonl``, a line
