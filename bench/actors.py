@@ -79,10 +79,10 @@ class StampedSamplerActor:
     """``SamplerActor`` plus a column of its call's stamps (start, finish, pid, CPU seconds at the finish, rows):
     the actors' own times give their steady rate, in-call against between-call time, and CPU per row."""
 
-    def __init__(self, graph, fanouts, plan, run: str = "gnnray", cpu=None):
+    def __init__(self, *args, **kwargs):  # SamplerActor's, as the job's stream passes them
         from gnnray.sampler.sampler import SamplerActor
 
-        self._actor = SamplerActor(graph, fanouts, plan, run, cpu)
+        self._actor = SamplerActor(*args, **kwargs)
 
     def __call__(self, rows: dict):
         import pyarrow as pa
