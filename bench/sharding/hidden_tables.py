@@ -183,9 +183,10 @@ def runs_on(ss: ShardSettings, data, store_mib: int, plan: tuple, layers: int, h
                 run["fetched_mib_per_layer"] = {cl.name(s.node_id): remote_rows(graph, s.lo, s.hi, run_kw["chunk"])
                                                 * hidden * 4 / MIB for s in handle.features.shards}
             fields = run_kw.get("fields", FIELDS)
-            print(f"  {name}, {store_mib} MiB stores: per node, store peak {', '.join(fields)}: " + ", ".join(
-                f"{n} " + " / ".join(f"+{run['mib'][f][n]:.1f}" for f in fields) for n in run["mib"][fields[0]])
-                + f" MiB; {run['wall_s']:.1f} s", flush=True)
+            print(f"  {name}, {store_mib} MiB stores: per node, store peak ("
+                  f"{' / '.join(f.split('_')[-1] for f in fields)}): " + ", ".join(
+                      f"{n} " + " / ".join(f"+{run['mib'][f][n]:.1f}" for f in fields) for n in run["mib"][fields[0]])
+                  + f" MiB; {run['wall_s']:.1f} s", flush=True)
             del pub, graph, handle
             gc.collect()
     finally:
