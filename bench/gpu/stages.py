@@ -9,7 +9,8 @@ batches of 1024), per batch, median over ``--batches`` batches after a warm-up:
 - ``features device``: ``index_select`` from the table on the device (``device``);
 - ``features uva``: the GPU reading rows from the table's read-only pages registered in place, without a
   cache and with the hottest quarter cached (``uva``); every row checked against the host gather;
-- ``compute``: model + loss + Adam over the same batches already on the device (the ceiling).
+- ``compute``: model + loss + Adam over the same batches already on the device (the ceiling), and the same
+  replayed from a CUDA graph (``compute, captured``: gnnray.train.captured, on a GPU).
 
 Each row also says how many batches a second it supplies. ``--smoke`` runs tiny sizes on the CPU.
 """
@@ -121,6 +122,18 @@ def main(argv=None) -> int:
     passes = [train_epoch(model, optimizer, iter(on_device), len(on_device), graph.num_classes, dev)["epoch_time"]
               / len(on_device) for _ in range(3)]
     rows["compute (the ceiling)"] = statistics.median(passes[1:])
+    if cuda:  # the same steps replayed from one CUDA graph (gnnray.train.captured): measured, warmed, captured
+        from gnnray.train.captured import CapturedStep
+
+        torch.manual_seed(0)
+        model = model_for(graph.feat_dim, graph.num_classes, cfg).to(dev)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, capturable=True)
+        step = CapturedStep(model, optimizer, dev)
+        passes = [train_epoch(model, optimizer, iter(on_device), len(on_device), graph.num_classes, dev,
+                              captured=step)["epoch_time"] / len(on_device) for _ in range(4)]
+        rows["compute, captured"] = statistics.median(passes[2:])
+        print(f"  captured: padded to {step.buffers.shape if step.buffers else None}; {step.replays} replays, "
+              f"{step.eager} eager steps{'; failed: ' + step.failed if step.failed else ''}", flush=True)
     print(f"{inputs:,.0f} input nodes a batch, {inputs * graph.feat_dim * 4 / 2**20:.0f} MiB of float32 features")
     out = dict(device=torch.cuda.get_device_name(0) if cuda else "cpu", input_nodes=inputs,
                seconds=dict(rows), rows_equal=checked, cores=os.cpu_count())
