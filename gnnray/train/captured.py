@@ -23,7 +23,7 @@ from gnnray.batch import Layer, MiniBatch
 
 MEASURED = 20  # eager batches whose sizes set the padding
 WARMUP = 2  # padded eager steps on a side stream before capture, as torch's whole-network capture asks
-QUANTUM = 256  # padded sizes are multiples of this
+QUANTUM = 64  # padded sizes are multiples of this (a batch of 1024 seeds pads to 1088)
 IGNORE = -100  # cross_entropy's default ignore_index: a padded seed's label
 
 
