@@ -2,6 +2,6 @@
 
 import sys
 
-from bench.cli import main
+from bench.suite import main
 
 sys.exit(main())

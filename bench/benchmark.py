@@ -1,4 +1,4 @@
-"""``python bench/benchmark.py``, the command README and docs give: runs :func:`bench.cli.main`."""
+"""``python bench/benchmark.py``, the command README and docs give: runs :func:`bench.suite.main`."""
 
 import sys
 from pathlib import Path
@@ -9,6 +9,6 @@ if __name__ == "__main__":
     here = Path(__file__).resolve().parent
     sys.path[:] = [str(here.parent)] + [p for p in sys.path if Path(p or ".").resolve() != here]
 
-    from bench.cli import main
+    from bench.suite import main
 
     sys.exit(main())

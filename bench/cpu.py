@@ -1,13 +1,7 @@
 """Where the machine's CPU goes: per-process CPU-seconds from ``/proc``, grouped by what each process is.
 
-:func:`snapshot` reads every process's ``utime + stime`` (all its threads)
-and the machine's non-idle time from ``/proc/stat``; the difference of two
-snapshots (:func:`between`) is the CPU each group used in that window. Groups
-come from the command line Ray gives its processes (``ray::RayTrainWorker``,
-``ray::MapWorker(...)``, ``ray::SplitCoordinator``, ...), so the table says
-which part of the job took the time. A process that ended between the two
-snapshots is missing from the second and counted only up to the first: the
-windows here are steady epochs, where no process ends.
+The difference of two :func:`snapshot` s is the CPU each group used in between (a process that ended in
+between counts up to the first: the windows are steady epochs); :func:`tree_cpu_s` is a process tree's.
 """
 
 from __future__ import annotations
@@ -55,40 +49,50 @@ def machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / _TICK
 
 
-def snapshot() -> dict:
-    """``{"machine": busy_s, "procs": {pid: (group, cpu_s)}}`` for every process of a known group."""
-    procs = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+def processes() -> dict:
+    """``{pid: (parent pid, command line, CPU-seconds of all its threads)}`` of every process."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read().rsplit(")", 1)[1].split()
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue  # ended meanwhile
-        group = _group(cmd)
-        if group:
-            procs[int(pid)] = (group, (int(stat[11]) + int(stat[12])) / _TICK)
-    return dict(machine=machine_busy_s(), procs=procs)
-
-
-def between(before: dict, after: dict) -> dict:
-    """CPU-seconds per group between two snapshots, plus ``machine`` (all processes) and ``other``."""
-    out: dict = {}
-    for pid, (group, cpu) in after["procs"].items():
-        start = before["procs"].get(pid, (group, 0.0))[1]
-        out[group] = out.get(group, 0.0) + cpu - start
-    out["machine"] = after["machine"] - before["machine"]
-    out["other"] = out["machine"] - sum(v for k, v in out.items() if k != "machine")
+        out[int(pid)] = (int(stat[1]), cmd, (int(stat[11]) + int(stat[12])) / _TICK)
     return out
+
+
+def snapshot() -> dict:
+    """``{"machine": busy_s, "procs": {pid: (group, cpu_s)}}`` for every process of a known group."""
+    procs = {pid: (_group(cmd), cpu) for pid, (_, cmd, cpu) in processes().items()}
+    return dict(machine=machine_busy_s(), procs={pid: v for pid, v in procs.items() if v[0]})
+
+
+def tree(roots: list) -> dict:
+    """``{pid: (command line, CPU-seconds)}`` of ``roots`` and every live process descended from them."""
+    procs, out, todo = processes(), {}, list(roots)
+    kids: dict = {}
+    for pid, (parent, _, _) in procs.items():
+        kids.setdefault(parent, []).append(pid)
+    while todo:
+        pid = todo.pop()
+        if pid in procs and pid not in out:
+            out[pid] = procs[pid][1:]
+            todo.extend(kids.get(pid, ()))
+    return out
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU-seconds of ``root``'s tree (a simulated cluster's processes descend from its driver: the job's CPU
+    alone, whatever else runs on the machine)."""
+    return sum(cpu_s for _, cpu_s in tree([root]).values())
 
 
 @contextlib.contextmanager
 def on_new_lines(path, snap: Callable[[], object], every_s: float = 0.1) -> Iterator[list]:
-    """While the block runs, ``snap()`` each time a line is added to the file at ``path`` (a run's
-    ``metrics.jsonl``, one line per epoch); yields the list the snapshots go to."""
+    """While the block runs, ``snap()`` each time a line is added to ``path`` (a run's ``metrics.jsonl``, a line
+    an epoch); yields the list of snapshots."""
     snaps: list = []
     stop = threading.Event()
 

@@ -1,51 +1,30 @@
-"""The baseline of the whole runs (:mod:`bench.wall`): the DGL tutorials' training loop in one process.
+"""The whole runs' baseline (:mod:`bench.wall`): the DGL tutorials' training loop in one process.
 
-``DataLoader(g, train_ids, NeighborSampler(fanouts), batch_size, shuffle=True,
-num_workers=W)``, features gathered with ``feat[input_nodes]``, the job's model
-(``model_for``) trained with Adam; each epoch ends with a sampled validation
-pass (a ``DataLoader`` over the validation nodes, ``eval_batch_size`` seeds,
-the same fanouts), the last one with a sampled test pass, as the job's
-``--eval sampled``. Two loaders users pick:
-
-- ``num_workers=0``: sampling in the training process, between steps.
-- ``num_workers=1`` (optionally inside DGL's ``enable_cpu_affinity()``, which
-  pins the sampling process and the training process's threads to cores of
-  their own): DGL forks one sampling process per pass over the loader
-  (not persistent: DGL's default), which samples the next batches while the
-  training process computes. It works on the CSC-only graph of ``to_dgl``
-  (the fork inherits the graph's pages; its sampler needs only CSC). Its CPU
-  time is not in the process's own (``cpu_share`` counts the training process).
-
-``python -m bench.dgl_loop SPEC`` runs one whole run end to end (imports,
-loading the graph, building model and loaders, the epochs), as a user would
-start it: :mod:`bench.wall` times it. ``SPEC`` is JSON: the job's
-configuration (``dataclasses.asdict``), ``cores`` and ``loader_workers``. It
-prints one line per epoch and then ``RESULT`` and its numbers as JSON.
+``DataLoader(g, train_ids, NeighborSampler(fanouts), shuffle=True, num_workers=W)`` (W = 0: sampling between
+steps; W = 1: a forked sampling process per pass), ``feat[input_nodes]``,
+the job's model on DGL's modules (``dgl_models.py``) with Adam; sampled validation each epoch and a sampled test
+at the end, as the job's ``--eval sampled``. ``python -m bench.dgl_loop SPEC`` (JSON: the job's configuration,
+``cores``, ``loader_workers``) runs one whole run and emits its figures.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-
-import numpy as np
-
 import json
 import sys
 import time
 import warnings
 from typing import Iterator
 
+import numpy as np
+
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
-
-RESULT = "RESULT "
-
 
 class DglLoop:
     """Graph, model, optimizer and loaders of the DGL loop; :meth:`steps` and :meth:`epoch` train."""
 
-    def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int, affinity: bool = False):
+    def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int):
         import torch
 
         from gnnray.sampler.graphbolt import to_dgl
@@ -53,7 +32,7 @@ class DglLoop:
         from bench.dgl_models import DGLModel
         from gnnray.models.model import model_for
 
-        self._graph, self._cfg, self._workers, self._affinity = graph, cfg, loader_workers, affinity
+        self._graph, self._cfg, self._workers = graph, cfg, loader_workers
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # int64 structure, as DGL users load graphs (and DGL 2.1's fused sampler is wrong on int32 ones with
         # more than one thread).
@@ -77,9 +56,7 @@ class DglLoop:
                                           num_workers=self._workers)
 
     def _batches(self, loader) -> Iterator:
-        with warnings.catch_warnings(), (loader.enable_cpu_affinity() if self._affinity
-                                         else contextlib.nullcontext()):
-            # Without affinity DGL asks for it (the tutorials do not set it): hidden.
+        with warnings.catch_warnings():  # DGL asks for CPU affinity (the tutorials do not set it): hidden
             warnings.filterwarnings("ignore", message=".*CPU affinity")
             for input_nodes, output_nodes, blocks in loader:
                 yield (self._feat[input_nodes].to(self.device), self._label[output_nodes].to(self.device),
@@ -123,14 +100,14 @@ class DglLoop:
         return right / max(total, 1)
 
 
-def end_to_end(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool = False) -> dict:
+def end_to_end(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
     """A whole run of ``cfg.train.epochs`` epochs: load the graph, build, train, validate each epoch, test."""
-    from bench.common import threads
+    from bench.harness import threads
     from gnnray.data.load import load_graph
 
     start = time.perf_counter()
     with threads(cores):
-        loop = DglLoop(load_graph(cfg.data, cfg.run.seed), cfg, loader_workers, affinity)
+        loop = DglLoop(load_graph(cfg.data, cfg.run.seed), cfg, loader_workers)
         ready, epochs, best = time.perf_counter() - start, [], 0.0
         for epoch in range(cfg.train.epochs):
             m = dict(epoch=epoch, **loop.epoch(), val_acc=loop.accuracy("valid"))
@@ -140,15 +117,16 @@ def end_to_end(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool =
                 m["test_acc"] = loop.accuracy("test")
             print(" ".join(f"{k}={v:.4g}" for k, v in m.items()), flush=True)
             epochs.append(m)
-    return dict(epochs=epochs, ready_s=ready, loader_workers=loader_workers, affinity=affinity, threads=cores)
+    return dict(epochs=epochs, ready_s=ready, loader_workers=loader_workers, threads=cores)
 
 
 def main(argv=None) -> int:
     from gnnray.config import from_dict
 
     spec = json.loads((argv or sys.argv[1:])[0])
-    result = end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"], spec.get("affinity", False))
-    print(RESULT + json.dumps(result), flush=True)
+    from bench.harness import emit
+
+    emit(end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"]))
     return 0
 
 

@@ -1,21 +1,14 @@
-"""Sampled evaluation per seed against a training step's forward half plus its sampling, side by side.
+"""Sampled evaluation per 1k seeds against a training step's sampling plus forward half, side by side.
 
-    python -m bench.evaluation [--dataset DIR] [--fanouts 10,10,10] [--batch-size 1024] [--eval-batch-size 4096]
-
-On a local Ray cluster, in this process as one train worker would: the
-:class:`~gnnray.train.evaluate.Evaluator` over the validation split (its
-sampler actor samples, the worker gathers and computes), and, for the same
-model, training batches of ``--batch-size`` seeds: GraphBolt sampling
-(:class:`~gnnray.sampler.sampler.Sampler`), the feature gather and the
-training-mode forward. Prints one JSON line: seconds per 1,000 seeds of each,
-medians of ``--repeats``.
+``python -m bench.evaluation [--dataset DIR] [--fanouts 10,10,10]``: on a local Ray cluster, in this process as
+one train worker: the ``Evaluator`` over the validation split (its sampler actor samples, the worker gathers and
+computes), against training batches of ``--batch-size`` sampled, gathered and run forward; medians of
+``--repeats``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
 import numpy as np
@@ -40,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--eval-batch-size", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default="", help="also write the figures here")
     a = p.parse_args(argv)
     fanouts = [int(f) for f in a.fanouts.split(",")]
     graph = load_graph(DataConfig(dataset=a.dataset, reverse_edges=True, random_features=128))
@@ -72,13 +66,14 @@ def main(argv=None) -> int:
             f += time.perf_counter() - t
         samples.append(s / (steps * a.batch_size) * 1000)
         forwards.append(f / (steps * a.batch_size) * 1000)
-    row = dict(eval_s_per_1k_seeds=statistics.median(evals), train_sample_s_per_1k=statistics.median(samples),
-               train_forward_s_per_1k=statistics.median(forwards),
-               ratio=statistics.median(evals) / (statistics.median(samples) + statistics.median(forwards)),
-               peak_in_flight=evaluator.peak_in_flight, max_in_flight=evaluator.max_in_flight,
-               fanouts=fanouts, batch_size=a.batch_size, eval_batch_size=a.eval_batch_size, valid_seeds=seeds,
-               torch_threads=torch.get_num_threads())
-    print(json.dumps(row), flush=True)
+    from bench.harness import report, side_by_side
+
+    train = [a_ + b_ for a_, b_ in zip(samples, forwards)]
+    row = side_by_side("seconds per 1k seeds: evaluation vs training's sampling + forward", evals, train, "{:.3f}",
+                       sample=samples, forward=forwards, peak_in_flight=evaluator.peak_in_flight)
+    report([row], a.json, f"fanouts {fanouts}, batch {a.batch_size}, eval batch {a.eval_batch_size}, {seeds} "
+           f"validation seeds, {torch.get_num_threads()} threads; medians of {a.repeats}",
+           max_in_flight=evaluator.max_in_flight)
     ray.shutdown()
     return 0
 

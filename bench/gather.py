@@ -1,13 +1,9 @@
-"""Feature gather and the prefetch row's overlap against torch's thread count: ``python -m bench.gather``.
+"""The feature gather and the prefetch overlap against torch's thread count: ``python -m bench.gather``.
 
-Torch and numpy only (runs on a bare GPU machine). Prints one JSON line per part and writes them to
-``--json``:
-
-- ``gather``: ms to gather 100k random rows of a 200k x 128 float32 table into a (pinned, on a GPU) buffer,
-  with ``np.take(..., out=)`` (what ``pipeline.features`` used) and with torch's ``index_select`` (what it
-  uses) on 1 to all threads; the pinned host-to-device copy of the result on a GPU;
-- ``threads``: the ``prefetch float32`` row of ``bench.gpu`` (median of 3 runs each) with torch on all
-  threads, all but one, and fewer: the prefetch thread's gather and the step's kernel launches share cores.
+Torch and numpy only. ``gather``: ms to gather 100k random rows of a 200k x 128 float32 table into a (pinned, on
+a GPU) buffer with ``np.take(..., out=)`` (the baseline) and with torch's ``index_select`` on 1 to all threads,
+and the pinned copy to the GPU; ``threads``: ``bench.gpu``'s ``prefetch float32`` row (medians of 3) with torch
+on all threads, all but one, and fewer.
 """
 
 from __future__ import annotations
@@ -22,9 +18,9 @@ import torch
 
 
 def _median_ms(fn) -> float:
-    from bench.gpu.batches import median_s
+    from bench.harness import median_s
 
-    return 1000 * median_s(fn, torch.device("cpu"), 9)  # h2d synchronises itself
+    return 1000 * median_s(fn, 9)  # h2d synchronises itself
 
 
 def gather(cores: int) -> dict:
@@ -49,7 +45,7 @@ def gather(cores: int) -> dict:
 
 
 def threads(cores: int) -> dict:
-    from bench.gpu.prefetch import prefetch_overlap
+    from bench.gpu.overlap import prefetch_overlap
 
     dev, out = "cuda" if torch.cuda.is_available() else "cpu", {}
     for n in sorted({cores, max(1, cores - 1), 8, 4, 2} & set(range(1, cores + 1)), reverse=True):
@@ -71,9 +67,9 @@ def main(argv=None) -> int:
     for name, fn in (("gather", gather), ("threads", threads)):
         result[name] = fn(cores)
         print(name, json.dumps(result[name]), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    from bench.harness import write_json
+
+    write_json(args.json, result)
     return 0
 
 

@@ -1,28 +1,15 @@
 """Layer-wise inference: gnnray's per-rank code against the DGL tutorial's ``inference`` loop, side by side.
 
-    python -m bench.inference [--dataset DIR|synthetic] [--hidden 256] [--layers 3] [--batch-size 10000]
-                              [--repeats 3] [--threads N]
-
-Both compute SAGE (mean) layer by layer for every node, with all in-neighbors,
-in chunks of ``--batch-size`` destination nodes, on the CPU, in this process,
-with the same torch threads, alternating runs (medians):
-
-- gnnray: :func:`gnnray.train.layerwise.infer` with world size 1 (what each
-  train worker runs after the last epoch), the built-in ``sage`` model;
-- DGL: the tutorial's loop: ``MultiLayerFullNeighborSampler(1)``, a
-  ``DataLoader`` over all nodes, ``feat[input_nodes]``, ``dgl.nn.SAGEConv``
-  (mean), ReLU, ``y[output_nodes] = h`` per layer, on an int64 DGL graph of
-  the same CSC.
-
-Both models carry the same weights, so their predictions agree (printed).
-Prints one JSON line: medians and the ratio gnnray / DGL.
+``python -m bench.inference [--dataset DIR|synthetic] [--hidden 256] [--layers 3] [--batch-size 10000]``: both
+compute SAGE (mean) layer by layer for every node with all in-neighbors, in chunks of ``--batch-size``, on the
+CPU in this process with the same threads and weights, in alternating runs (medians): gnnray's
+:func:`gnnray.train.layerwise.infer` (world size 1) and the tutorial's ``MultiLayerFullNeighborSampler(1)``
+loop over ``dgl.nn.SAGEConv`` on an int64 DGL graph of the same CSC. Their predictions are compared.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
 import numpy as np
@@ -75,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=10_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--json", default="", help="also write the figures here")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     import dgl.utils
@@ -92,22 +80,27 @@ def main(argv=None) -> int:
     g = to_dgl(type(graph)(**{**vars(graph), "indptr": wide[0], "indices": wide[1]}))
     feat = torch.from_numpy(np.ascontiguousarray(graph.feat, dtype=np.float32))
 
-    ours, theirs, agree = [], [], None
+    from bench.harness import interleaved, report, side_by_side
+
+    out = {}
+
+    def timed(name: str, fn):
+        def run(_):
+            start = time.perf_counter()
+            out[name] = fn()
+            return time.perf_counter() - start
+        return run
+
     with torch.no_grad():
-        for _ in range(a.repeats):
-            start = time.perf_counter()
-            result = infer(model, graph, [LocalRows(graph.feat)], a.batch_size, "cpu")
-            ours.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            logits = dgl_inference(g, feat, convs, a.batch_size)
-            theirs.append(time.perf_counter() - start)
-            agree = float(np.mean(result.pred == logits.argmax(1).numpy()))
-    row = dict(nodes=graph.num_nodes, edges=graph.num_edges, hidden=a.hidden, layers=a.layers,
-               batch_size=a.batch_size, threads=a.threads, gnnray_s=statistics.median(ours),
-               dgl_s=statistics.median(theirs), ratio=statistics.median(ours) / statistics.median(theirs),
-               predictions_agree=agree, gnnray_runs=ours, dgl_runs=theirs)
-    print(json.dumps(row), flush=True)
-    return 0
+        runs = interleaved({"gnnray": timed("gnnray", lambda: infer(model, graph, [LocalRows(graph.feat)],
+                                                                     a.batch_size, "cpu").pred),
+                            "dgl": timed("dgl", lambda: dgl_inference(g, feat, convs, a.batch_size).argmax(1).numpy())},
+                           a.repeats)
+    agree = float(np.mean(out["gnnray"] == out["dgl"]))
+    row = side_by_side("layer-wise inference s", runs["gnnray"], runs["dgl"], predictions_agree=agree)
+    return report([row], a.json, f"{graph.num_nodes:,} nodes, {a.layers} x {a.hidden}, {a.threads} threads; "
+                  f"medians of {a.repeats}; predictions agree {agree:.2%}", nodes=graph.num_nodes, hidden=a.hidden,
+                  layers=a.layers, batch_size=a.batch_size, threads=a.threads)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,9 @@
-"""Figure 4: private memory per added process, the node-shared graph against a copy per process.
+"""The ``memory`` stage: private memory per added process, the node-shared graph against a copy per process.
 
-Four probe actors start (imports done); for each variant their idle USS/PSS is
-read, then 1, 2 and 4 of them :meth:`MemoryProbe.hold` the graph and the growth
-of the summed USS (PSS) of the holding processes is read. Per-process growth =
-growth at the most processes / their number (every process counted as added),
-in MiB and as % of one copy of the graph. The object store's one copy is not in
-any process's USS (it is shared memory); PSS shows its share. Per-batch memory
-(the blocks and the gathered features, the same in both variants and in the
-DGL loop) is freed before measuring: this figure is about copies of the graph.
-The copy variant does what ``torch.multiprocessing.spawn`` examples do
-(``np.array`` of every array).
+Four probe actors start (imports done); 1, 2 and 4 of them then hold the graph, shared or copied as
+``torch.multiprocessing.spawn`` examples do, sample and gather, and free the batch: the growth of their summed
+USS (PSS) over idle, per process, in MiB and as a share of the graph. The object store's one copy is shared
+memory, in no process's USS.
 """
 
 from __future__ import annotations
@@ -19,19 +13,16 @@ import gc
 
 import numpy as np
 
-from bench.common import Row, Settings, verdict
+from bench.harness import Row, verdict
+from bench.settings import Settings
 from gnnray.data.graph import Graph
 
 FIGURE, TARGET = "memory per added process (USS)", "< 5% of graph"
 
 
 class MemoryProbe:
-    """A process that uses the graph as a sampler actor or train worker does (a Ray actor).
-
-    Its imports and DGL's kernels are loaded in ``__init__`` (on a tiny graph),
-    so the difference between :meth:`usage` before and after :meth:`hold` is
-    what holding and using the big graph costs.
-    """
+    """A Ray actor that uses the graph as a sampler actor or train worker does; its imports and kernels load in
+    ``__init__`` (a tiny graph), so :meth:`usage` before and after :meth:`hold` differ by the big graph's cost."""
 
     def __init__(self):
         from gnnray.data.synthetic import make_synthetic
@@ -55,13 +46,8 @@ class MemoryProbe:
         return int(info.uss), int(info.pss)
 
     def hold(self, handle, copy: bool, fanouts: tuple, batch_size: int, batches: int, seed: int) -> float:
-        """Attach the graph (shared views, or private copies), sample and gather features.
-
-        Keeps the graph and the sampler (the DGL graph), as a sampler actor or
-        train worker does for its whole life; frees the last batch and its
-        feature buffer, whose size (MiB, returned) is the same however the
-        graph is held.
-        """
+        """Attach the graph (shared views, or private copies), sample and gather; keep graph and sampler, free
+        the last batch and its feature buffer (MiB, returned)."""
         from gnnray.sampler.sampler import Sampler
         from gnnray.train.prefetch import HostSlot
 

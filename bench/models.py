@@ -1,16 +1,10 @@
-"""Forward + backward per arxiv-sized batch: the torch models (gnnray/models/conv.py) against DGL's modules.
+"""Forward + backward of a batch: the torch models (gnnray/models/conv.py) against DGL's modules, same weights.
 
-``python -m bench.models [--repeats N] [--threads T] [--json PATH]``. One
-batch's layers (3 layers, fanouts 10,10,10, 1024 seeds) are sampled from the
-arxiv structure with the job's sampler when ../shared/datasets/arxiv-structure
-exists, else drawn at random with the sizes of such a batch; input 128
-features, hidden 256 (GAT: 4 heads of 64), 40 classes, dropout 0.5, train
-mode. Each model and its DGL-module twin (bench/dgl_models.py, the former
-models, same weights; DGL blocks built beforehand, as a DGL loader hands them
-out) run in turn, repeat after repeat; each figure is the median. DGL's
-modules run only in an environment with the dgl extra (torch 2.2.1); in the
-default one (current torch) the torch models run alone, so running both and
-comparing separates the models' cost from torch's version.
+``python -m bench.models [--models sage,gcn,...] [--shape arxiv|products] [--huge-pages both]``: one batch's
+layers (arxiv: sampled from the arxiv structure where it is, else random of such a batch's sizes; products:
+random of a products-shaped batch's), each model and its DGL-module twin (``dgl_models.py``, DGL blocks built
+beforehand, as a loader hands them out) in turn, repeat after repeat; medians. DGL's side runs only in the dgl
+extra's environment. ``--huge-pages both``: ours with torch's huge pages against without, in fresh processes.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import REPO, Row, format_table, machine, threads, verdict
+from bench.harness import RESULTS, REPO, Row, dgl_or_none, interleaved, machine, report, side_by_side, threads
 
 
 GOALS = {"sage": 1.0, "gcn": 1.0, "gat": 1.2, "rgat": None, "rsage": None}
@@ -38,7 +32,8 @@ PRODUCTS = dict(layers=((631_000, 58_000), (58_000, 6_000), (6_000, BATCH)), fan
 def sample_layers(shape: str = "arxiv") -> tuple[list, str]:
     """One batch's layers: sampled from the arxiv structure if it is there, else random of the same sizes; with
     ``shape`` products, random of a products-shaped batch's sizes."""
-    from bench.graphs import DEFAULT_DATASET, base_data_config
+    from bench.harness import DEFAULT_DATASET
+    from bench.settings import base_data_config
 
     if shape == "products":
         return random_layers(PRODUCTS["layers"], PRODUCTS["fanouts"], full=True), "synthetic, products-shaped"
@@ -66,10 +61,9 @@ def random_layers(sizes, fanouts, full: bool = False) -> list:
 
 
 def measure(names, repeats: int, warmup: int = 2, shape: str = "arxiv") -> dict:
-    from bench.common import _dgl
     from gnnray.models.model import build_model
 
-    with_dgl = _dgl() is not None  # DGL's modules only where the dgl extra is installed (torch 2.2.1)
+    with_dgl = dgl_or_none() is not None  # DGL's modules only where the dgl extra is installed (torch 2.2.1)
     if with_dgl:
         from bench.dgl_models import DGLModel, blocks
     layers, source = sample_layers(shape)
@@ -92,21 +86,16 @@ def measure(names, repeats: int, warmup: int = 2, shape: str = "arxiv") -> dict:
         torch.nn.functional.cross_entropy(model(inputs, x), y).backward()
         return time.perf_counter() - start
 
-    times = {name: {"ours": [], "dgl": []} for name in names}
-    for rep in range(warmup + repeats):  # interleaved: each repeat runs every model, ours then DGL's
-        for name, (ours, theirs) in pairs.items():
-            t = step(ours, layers)
-            if rep >= warmup:
-                times[name]["ours"].append(t)
-            if theirs is not None:
-                t = step(theirs, dgl_blocks)
-                if rep >= warmup:
-                    times[name]["dgl"].append(t)
+    fns = {(name, side): (lambda _, m=m, inputs=inputs: step(m, inputs))
+           for name, (ours, theirs) in pairs.items()
+           for side, m, inputs in (("ours", ours, layers), ("dgl", theirs, dgl_blocks)) if m is not None}
+    runs = interleaved(fns, repeats, warmup)
+    times = {name: {side: runs.get((name, side), []) for side in ("ours", "dgl")} for name in names}
     sizes = [dict(num_src=l.num_src, num_dst=l.num_dst, nnz=int(l.indices.shape[0])) for l in layers]
     return dict(source=source, layers=sizes, times_s=times)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="sage,gcn,gat,rgat,rsage")
     parser.add_argument("--repeats", type=int, default=9)
@@ -116,7 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--huge-pages", choices=("env", "both"), default="env",
                         help="both: run the models once with torch's huge pages (THP_MEM_ALLOC_ENABLE=1, as the "
                              "job's processes) and once without, in fresh processes, and compare")
-    parser.add_argument("--json", default=str(REPO / "bench-results" / "models.json"))
+    parser.add_argument("--json", default=str(RESULTS / "models.json"))
     args = parser.parse_args(argv)
     names = args.models.split(",")
     if args.huge_pages == "both":
@@ -125,28 +114,20 @@ def main(argv=None) -> None:
         result = measure(names, args.repeats, shape=args.shape)
     rows = []
     for name in names:
-        t = result["times_s"][name]
-        ours = statistics.median(t["ours"]) * 1e3
-        if not t["dgl"]:
-            rows.append(Row(f"{name} fwd+bwd ms", ours=f"{ours:.1f}", baseline="-", ratio="-", target="-", met="-"))
+        t = {k: [1e3 * v for v in vs] for k, vs in result["times_s"][name].items()}
+        if not t["dgl"]:  # no DGL here: ours alone
+            rows.append(Row(f"{name} fwd+bwd ms", f"{statistics.median(t['ours']):.1f}", "-", "-", "-", "-"))
             continue
-        base = statistics.median(t["dgl"]) * 1e3
         goal = GOALS[name]
-        rows.append(Row(f"{name} fwd+bwd ms", ours=f"{ours:.1f}", baseline=f"{base:.1f}", ratio=f"{ours / base:.2f}x",
-                        target=f"<= {goal}x" if goal else "-", met=verdict(ours / base <= goal) if goal else "-",
-                        detail=dict(ratio=ours / base)))
+        rows.append(side_by_side(f"{name} fwd+bwd ms", t["ours"], t["dgl"], "{:.1f}", f"<= {goal}x" if goal else "-",
+                                 (lambda r, g=goal: r <= g) if goal else None))
     sizes = ", ".join(f"{s['num_src']}/{s['num_dst']}/{s['nnz']}" for s in result["layers"])
-    print(f"{result['source']}: layers (src/dst/edges) {sizes}; {args.threads} threads; "
-          f"median of {args.repeats} interleaved repeats; baseline: DGL's modules, same weights")
-    print(format_table(rows))
-    out = dict(result, threads=args.threads, repeats=args.repeats, machine=machine(), torch=torch.__version__,
-               rows=[r.__dict__ for r in rows], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    return report(rows, args.json, f"{result['source']}: layers (src/dst/edges) {sizes}; {args.threads} threads; "
+                  f"median of {args.repeats} interleaved repeats; baseline: DGL's modules, same weights",
+                  **result, threads=args.threads, repeats=args.repeats, machine=machine(), torch=torch.__version__)
 
 
-def compare_huge_pages(args) -> None:
+def compare_huge_pages(args) -> int:
     """The models' medians with torch's huge pages against without, each side in fresh processes (torch reads
     ``THP_MEM_ALLOC_ENABLE`` once), alternating for three rounds; medians over all their repeats."""
     import os
@@ -167,20 +148,12 @@ def compare_huge_pages(args) -> None:
                                env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
                 for name, t in json.loads(Path(out).read_text())["times_s"].items():
                     times[side].setdefault(name, []).extend(t["ours"])
-    rows = []
-    for name in names:
-        on, off = (statistics.median(times[side][name]) * 1e3 for side in ("on", "off"))
-        rows.append(Row(f"{name} fwd+bwd ms", ours=f"{on:.1f}", baseline=f"{off:.1f}", ratio=f"{on / off:.2f}x",
-                        target="-", met="-", detail=dict(ratio=on / off)))
-    print(f"{args.shape} batch, {args.threads} threads; ours: torch's huge pages (the job's processes), baseline: "
-          f"without; medians of 3 x {args.repeats} repeats")
-    print(format_table(rows))
-    out = dict(shape=args.shape, threads=args.threads, times_s=times, machine=machine(), torch=torch.__version__,
-               rows=[r.__dict__ for r in rows], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    rows = [side_by_side(f"{name} fwd+bwd ms", [1e3 * t for t in times["on"][name]],
+                         [1e3 * t for t in times["off"][name]], "{:.1f}") for name in names]
+    return report(rows, args.json, f"{args.shape} batch, {args.threads} threads; ours: torch's huge pages (the "
+                  f"job's processes), baseline: without; medians of 3 x {args.repeats} repeats", shape=args.shape,
+                  threads=args.threads, times_s=times, machine=machine(), torch=torch.__version__)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

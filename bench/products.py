@@ -1,42 +1,20 @@
 """The products-sized row: gnnray's whole 1-epoch run against the DGL tutorial script's, side by side.
 
-``python -m bench.products`` writes a graph directory shaped like
-ogbn-products (``--dataset synthetic``'s generator: 2,449,029 nodes, average
-degree 50, 47 classes; edges stored once, the reverse added at load; a
-products-like split of 196,615 / 39,323 / 48,981 nodes; 100 random
-features), then runs, one after the other, each in its own process:
-
-- gnnray: ``jobs/train_arxiv.py --dataset DIR --random-features 100
-  --reverse-edges yes`` (a graph directory's edges are taken as given otherwise) with 1
-  worker, 1 sampler actor, SAGE 3x256, fanouts 15,10,5, batch 1024,
-  ``--eval sampled``, 1 epoch;
-- the DGL script (``python -m bench.products --dgl-script SPEC``): the
-  Parquet edges read with pyarrow, ``dgl.graph`` of them plus their reverse,
-  ``formats("csc")``, random features, ``dgl.dataloading.DataLoader``, the
-  tutorial's model (3 mean ``SAGEConv`` layers of 256) and the same fanouts,
-  one epoch, then sampled validation and test.
-
-For each: the whole run, loading (command to graph in memory; gnnray's
-includes Ray's start, which overlaps it), the training epoch, evaluation,
-and two peaks of memory per phase: the whole machine's used memory (every
-process, Ray's included; ``psutil.virtual_memory().used`` every 0.2 s, less
-its value before the run), and the run's own, the proportional set size (PSS)
-summed over the run's process tree (its local Ray cluster's processes are its
-descendants; pages shared between them, the object store's included, count
-once), which other work on a shared machine does not move. ``--dgl-python``
-runs the DGL script with another interpreter (DGL's last wheel needs torch
-2.2.1: an environment of its own). gnnray's phases come from its output lines: load
-(to the graph line), publish (to the next line), and training plus
-evaluation (to the epoch line, workers' start included); its evaluation is
-that span less ``epoch_time``. Writes ``--json`` (default
-``bench-results/products.json``). ``--load-only``: only the structure's
-loading, gnnray's (``read_graph_dir(...).build(reverse=True)``) against the
-DGL script's, time and peak RSS of each process (the largest-graph row).
+``python -m bench.products`` writes an ogbn-products-shaped graph directory (``--dataset synthetic``'s
+generator, 2,449,029 nodes, average degree 50, 47 classes, products' split; 100 random features), then runs
+gnnray (``jobs/train_arxiv.py --reverse-edges yes``, 1 worker, 1 sampler actor, SAGE 3 x 256, fanouts 15,10,5,
+``--eval sampled``, 1 epoch) and the DGL script (``--dgl-script``: pyarrow, ``dgl.graph`` with the reverse
+edges, CSC, ``DataLoader``, the tutorial's 3 mean ``SAGEConv`` layers; ``--dgl-python``: its interpreter),
+each in its own process. Per phase (load, training, evaluation, from their output lines) the time and two
+memory peaks: the machine's used memory over its value before, and the PSS summed over the run's process tree
+(its Ray cluster included; shared pages once). ``--load-only``: the structure's load alone, gnnray's
+(``read_graph_dir(...).build(reverse=True)``) against the DGL script's, interleaved ``--repeat`` times.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -47,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, RESULTS, Row, child_env, emit, interleaved, medians, report, run_child, write_json
+
 SPLIT = (196_615, 39_323, 48_981)  # ogbn-products' train / valid / test, of 2,449,029 nodes
 MARK = "PHASE "
-RESULT = "RESULT "
 # What jobs/train_arxiv.py sets before pyarrow loads; both loaders get it, so the comparison is of the builds.
 ARROW_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system"}
 
@@ -79,82 +57,50 @@ def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0)
 
 
 class Memory:
-    """The machine's used memory every 0.2 s, in bytes over its value at the start, with the time of each; and,
-    once :attr:`pid` is set, the PSS summed over that process and its descendants."""
+    """The machine's used memory over its start every 0.2 s, and once :attr:`pid` is set the PSS summed over
+    that process tree, with its largest processes at the tree's peak."""
 
     def __init__(self):
         import psutil
 
-        self._psutil, self.base = psutil, psutil.virtual_memory().used
-        self.samples, self.tree, self._stop = [], [], threading.Event()
-        self.pid: int = 0
+        self._psutil, self.base, self.pid = psutil, psutil.virtual_memory().used, 0
+        self.samples, self.tree, self.at_tree_peak, self._stop = [], [], {}, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-        self.at_peak: dict = {}  # what held the memory near the peak (:meth:`_holders`)
-        self.at_tree_peak: dict = {}  # the run's processes at the peak of their PSS
-
     def _run(self) -> None:
-        top, last, tree_top = 0, 0.0, 0
+        top = 0
         while not self._stop.wait(0.2):
-            now, used = time.perf_counter(), self._psutil.virtual_memory().used - self.base
-            self.samples.append((now, used))
-            if self.pid:
-                procs = self._tree_pss()
-                total = sum(p for p, _ in procs)
-                self.tree.append((now, total))
-                if total > tree_top:
-                    tree_top = total
-                    self.at_tree_peak = dict(pss_gb=total / 1e9, t=now,
-                                             top=[[round(p / 1e9, 3), c] for p, c in procs[:8]])
-            if used > top * 1.02 and now - last > 2.0:  # a new peak: who holds it (reading smaps takes time)
-                top, last = used, now
-                self.at_peak = dict(used_gb=used / 1e9, **self._holders())
+            now = time.perf_counter()
+            self.samples.append((now, self._psutil.virtual_memory().used - self.base))
+            procs = self._tree_pss() if self.pid else []
+            total = sum(p for p, _ in procs)
+            self.tree.append((now, total))
+            if total > top:
+                top, self.at_tree_peak = total, dict(pss_gb=total / 1e9, t=now,
+                                                     top=[[round(p / 1e9, 3), c] for p, c in procs[:8]])
 
     def _tree_pss(self) -> list:
         """(PSS bytes, command) of :attr:`pid` and every descendant, largest first."""
-        try:
-            root = self._psutil.Process(self.pid)
-            procs = [root] + root.children(recursive=True)
-        except self._psutil.Error:
-            return []
         out = []
-        for p in procs:
-            try:
-                out.append((p.memory_full_info().pss, " ".join(p.cmdline()[:3])[:80]))
-            except (self._psutil.Error, OSError):
-                continue
+        with contextlib.suppress(self._psutil.Error):
+            root = self._psutil.Process(self.pid)
+            for p in [root] + root.children(recursive=True):
+                with contextlib.suppress(self._psutil.Error, OSError):
+                    out.append((p.memory_full_info().pss, " ".join(p.cmdline()[:3])[:80]))
         return sorted(out, reverse=True)
-
-    def _holders(self) -> dict:
-        """Private memory (USS) of the largest processes, GB, and the machine's shared memory (the object
-        store's /dev/shm pages are shared, not "used")."""
-        procs = []
-        for p in self._psutil.process_iter(["name", "cmdline"]):
-            try:
-                uss = p.memory_full_info().uss
-            except (self._psutil.Error, OSError):
-                continue
-            cmd = " ".join((p.info["cmdline"] or [p.info["name"] or "?"])[:3])[:80]
-            procs.append((uss / 1e9, cmd))
-        procs.sort(reverse=True)
-        return dict(uss_gb=[[round(u, 3), c] for u, c in procs[:10]], uss_total_gb=sum(u for u, _ in procs),
-                    shared_gb=self._psutil.virtual_memory().shared / 1e9)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
     def peak(self, a: float, b: float, tree: bool = False) -> float:
-        """Peak over ``[a, b]`` (perf_counter times), GB: of the machine's used memory, or with ``tree`` of the
-        run's processes' PSS."""
-        inside = [m for t, m in (self.tree if tree else self.samples) if a <= t <= b]
-        return max(inside, default=0) / 1e9
+        """Peak GB over ``[a, b]`` (perf_counter times): the machine's used memory, or the tree's PSS."""
+        return max((m for t, m in (self.tree if tree else self.samples) if a <= t <= b), default=0) / 1e9
 
 
 def timed_lines(cmd: list, env: dict, mem: "Memory | None" = None) -> tuple[list, float, float, int]:
-    """Run ``cmd`` (``mem`` follows its process tree); each output line with its perf_counter time; start, end,
-    exit code."""
+    """Run ``cmd`` (``mem`` follows its tree): each output line with its time; start, end, exit code."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if mem is not None:
@@ -194,31 +140,45 @@ def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dic
                              train_and_eval=mem.peak(at["published"], end), whole=mem.peak(start, end)),
                 tree_peak_gb=dict(load=mem.peak(start, at["graph"], True), whole=mem.peak(start, end, True),
                                   train_and_eval=mem.peak(at["published"], end, True)),
-                at_peak=mem.at_peak, at_tree_peak=mem.at_tree_peak,
+                at_tree_peak=mem.at_tree_peak,
                 output=[text for _, text in lines if not text.startswith("(")][-12:])
 
 
 def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
     spec = json.dumps(dict(graph=str(graph_dir), feat=feat))
     mem = Memory()
-    lines, start, end, rc = timed_lines([python, "-m", "bench.products", "--dgl-script", spec], _env(), mem)
+    lines, start, end, rc = timed_lines([python, "-m", "bench.products", "--dgl-script", spec], ENV, mem)
     mem.stop()
     if rc:
         raise RuntimeError(f"the DGL script exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
     marks = {text[len(MARK):]: t for t, text in lines if text.startswith(MARK)}
-    result = json.loads([text for _, text in lines if text.startswith(RESULT)][-1][len(RESULT):])
+    result = json.loads([text for _, text in lines if text.startswith("RESULT ")][-1][len("RESULT "):])
     return dict(result, whole_s=end - start, load_s=marks["loaded"] - start,
                 peak_gb=dict(load=mem.peak(start, marks["loaded"]), train=mem.peak(marks["loaded"], marks["trained"]),
                              eval=mem.peak(marks["trained"], end), whole=mem.peak(start, end)),
                 tree_peak_gb=dict(load=mem.peak(start, marks["loaded"], True), whole=mem.peak(start, end, True)),
-                at_peak=mem.at_peak, at_tree_peak=mem.at_tree_peak)
+                at_tree_peak=mem.at_tree_peak)
 
 
-def _env() -> dict:
-    """The scripts' environment: Arrow's allocator as the job sets it, and this checkout first on the path (another
-    interpreter, ``--dgl-python``, imports this bench and gnnray from here)."""
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, **ARROW_ENV, PYTHONPATH=path)
+ENV = child_env(**ARROW_ENV)  # the scripts' environment: Arrow's allocator as the job sets it
+
+
+def dgl_graph(path: Path):
+    """The graph directory's structure as the DGL script loads it: pyarrow, ``dgl.graph`` with the reverse
+    edges, CSC."""
+    import dgl
+    import pyarrow.parquet as pq
+    import torch
+
+    n = json.loads((path / "meta.json").read_text())["num_nodes"]
+    edges = pq.read_table(path / "edges.parquet")
+    src, dst = (torch.from_numpy(edges[c].to_numpy()) for c in ("src", "dst"))
+    del edges
+    g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=n)
+    del src, dst
+    g = g.formats("csc")
+    g.create_formats_()
+    return g
 
 
 def dgl_script(spec: dict) -> None:
@@ -226,7 +186,6 @@ def dgl_script(spec: dict) -> None:
     import pyarrow.parquet as pq
     import torch
 
-    os.environ.setdefault("DGLBACKEND", "pytorch")
     import dgl
     import torch.nn.functional as F
 
@@ -234,13 +193,7 @@ def dgl_script(spec: dict) -> None:
 
     path = Path(spec["graph"])
     meta = json.loads((path / "meta.json").read_text())
-    edges = pq.read_table(path / "edges.parquet")
-    src, dst = (torch.from_numpy(edges[c].to_numpy()) for c in ("src", "dst"))
-    del edges
-    g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=meta["num_nodes"])
-    del src, dst
-    g = g.formats("csc")
-    g.create_formats_()
+    g = dgl_graph(path)
     nodes = pq.read_table(path / "nodes.parquet").to_pandas()
     label = torch.from_numpy(nodes["label"].to_numpy())
     feat = torch.randn(meta["num_nodes"], spec["feat"])
@@ -273,8 +226,7 @@ def dgl_script(spec: dict) -> None:
                 total += len(out)
             acc[split] = right / max(total, 1)
     eval_s = time.perf_counter() - start - train_s
-    print(RESULT + json.dumps(dict(train_s=train_s, eval_s=eval_s, val_acc=acc["valid"], test_acc=acc["test"])),
-          flush=True)
+    emit(dict(train_s=train_s, eval_s=eval_s, val_acc=acc["valid"], test_acc=acc["test"]))
 
 
 def Sage(in_feats: int, hidden: int, classes: int, conv):
@@ -307,43 +259,26 @@ def load_script(which: str, path: Path) -> None:
         g = read_graph_dir(path).build(reverse=True)
         edges = g.num_edges
     else:
-        import pyarrow.parquet as pq
-        import torch
-
-        os.environ.setdefault("DGLBACKEND", "pytorch")
-        import dgl
-
-        n = json.loads((path / "meta.json").read_text())["num_nodes"]
-        t = pq.read_table(path / "edges.parquet")
-        src, dst = (torch.from_numpy(t[c].to_numpy()) for c in ("src", "dst"))
-        del t
-        g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=n)
-        del src, dst
-        g = g.formats("csc")
-        g.create_formats_()
-        edges = g.num_edges()
+        edges = dgl_graph(path).num_edges()
     seconds = time.perf_counter() - start
     peak = [int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM")][0]
-    print(RESULT + json.dumps(dict(load_s=seconds, peak_rss_gb=peak / 1e9, edges=edges)), flush=True)
+    emit(dict(load_s=seconds, peak_rss_gb=peak / 1e9, edges=edges))
 
 
 def load_only(graph_dir: Path, repeat: int = 1, dgl_python: str = sys.executable) -> dict:
-    """gnnray's and the DGL script's loading of the structure, each in a process of its own, interleaved
-    ``repeat`` times; the medians and their ratios."""
-    runs = {"gnnray": [], "dgl": []}
-    for _ in range(repeat):
-        for which in runs:
-            python = dgl_python if which == "dgl" else sys.executable
-            lines, start, end, rc = timed_lines([python, "-m", "bench.products", "--load-script", which,
-                                                 str(graph_dir)], _env())
-            if rc:
-                raise RuntimeError(f"{which} load exited with {rc}: " + "\n".join(t for _, t in lines[-10:]))
-            runs[which].append(dict(json.loads([t for _, t in lines if t.startswith(RESULT)][-1][len(RESULT):]),
-                                    process_s=end - start))
+    """gnnray's and the DGL script's loads of the structure, each in a process of its own, interleaved ``repeat``
+    times: the medians and their ratios."""
+    def load(which: str):
+        python = dgl_python if which == "dgl" else sys.executable
+        return lambda _: run_child([python, "-m", "bench.products", "--load-script", which, str(graph_dir)], ENV,
+                                   what=f"{which} load")
+
+    runs = interleaved({"gnnray": load("gnnray"), "dgl": load("dgl")}, repeat)
     keys = ("load_s", "peak_rss_gb", "process_s")
-    out = {which: dict({k: float(np.median([r[k] for r in rs])) for k in keys}, edges=rs[0]["edges"], runs=rs)
-           for which, rs in runs.items()}
+    out = {which: dict(medians(rs, *keys), edges=rs[0]["edges"], runs=rs) for which, rs in runs.items()}
     out["ratio"] = {k: out["gnnray"][k] / out["dgl"][k] for k in keys}
+    out["rows"] = [Row(f"structure load: {k}", ours=f"{out['gnnray'][k]:.2f}", baseline=f"{out['dgl'][k]:.2f}",
+                       ratio=f"{out['ratio'][k]:.2f}x", target="-", met="-") for k in keys]
     return out
 
 
@@ -354,7 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", type=int, default=47)
     ap.add_argument("--feat", type=int, default=100)
     ap.add_argument("--workdir", default="/tmp/gnnray-products")
-    ap.add_argument("--json", default=str(REPO / "bench-results" / "products.json"))
+    ap.add_argument("--json", default=str(RESULTS / "products.json"))
     ap.add_argument("--load-only", action="store_true", help="only load the structure, gnnray's way and DGL's")
     ap.add_argument("--repeat", type=int, default=1, help="--load-only: runs of each, interleaved (medians)")
     ap.add_argument("--ours", default="", help="more options for gnnray's run, as one string (e.g. '--eval-rows "
@@ -383,15 +318,11 @@ def main(argv=None) -> int:
         out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree),
                    **load_only(graph_dir, args.repeat, args.dgl_python), loadavg_before=load,
                    loadavg_after=os.getloadavg())
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        print(json.dumps(out, indent=1))
+        report(out.pop("rows"), args.json, f"structure load, medians of {args.repeat}", **out)
         return 0
     ours = run_gnnray(graph_dir, work, args.feat, tuple(args.ours.split()))
     if args.ours_only:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(gnnray=ours, loadavg_before=load, loadavg_after=os.getloadavg()),
-                                              indent=1))
+        write_json(args.json, dict(gnnray=ours, loadavg_before=load, loadavg_after=os.getloadavg()))
         print(json.dumps(dict(whole_s=ours["whole_s"], eval_time=ours["sampled_eval_s"],
                               tree_peak_gb=ours["tree_peak_gb"], at_tree_peak=ours["at_tree_peak"]), indent=1))
         return 0
@@ -403,17 +334,16 @@ def main(argv=None) -> int:
                           feat=args.feat, split=SPLIT), gnnray=ours, dgl_script=dgl, ratio=ratio,
                machine=dict(cpus=os.cpu_count(), memory_gb=psutil.virtual_memory().total / 1e9),
                loadavg_before=load, loadavg_after=os.getloadavg())
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
-    print(f"{'':12}{'gnnray':>10}{'DGL script':>12}{'ratio':>8}")
-    for k in ("whole_s", "load_s", "train_s", "eval_s"):
-        print(f"{k:12}{ours[k]:10.1f}{dgl[k]:12.1f}{ratio[k]:8.2f}")
+    rows = [Row(k, ours=f"{ours[k]:.1f}", baseline=f"{dgl[k]:.1f}", ratio=f"{ratio[k]:.2f}x", target="-", met="-")
+            for k in ("whole_s", "load_s", "train_s", "eval_s")]
     if ours["sampled_eval_s"] is not None:  # eval_s above also holds the workers' start; this is the evaluation
         ev = ours["sampled_eval_s"]
-        print(f"{'eval (rank)':12}{ev:10.1f}{dgl['eval_s']:12.1f}{ev / dgl['eval_s']:8.2f}")
-    print(f"{'peak GB':12}{ours['peak_gb']['whole']:10.2f}{dgl['peak_gb']['whole']:12.2f}{ratio['peak_whole']:8.2f}")
-    print(f"{'run PSS GB':12}{ours['tree_peak_gb']['whole']:10.2f}{dgl['tree_peak_gb']['whole']:12.2f}"
-          f"{ratio['tree_peak_whole']:8.2f}")
+        rows.append(Row("eval_s (rank)", ours=f"{ev:.1f}", baseline=f"{dgl['eval_s']:.1f}",
+                        ratio=f"{ev / dgl['eval_s']:.2f}x", target="-", met="-"))
+    rows += [Row(name, ours=f"{ours[k]['whole']:.2f}", baseline=f"{dgl[k]['whole']:.2f}", ratio=f"{ratio[r]:.2f}x",
+                 target="-", met="-") for name, k, r in (("peak GB (machine)", "peak_gb", "peak_whole"),
+                                                         ("peak GB (run PSS)", "tree_peak_gb", "tree_peak_whole"))]
+    report(rows, args.json, "gnnray against the DGL script, one run each", **out)
     print("gnnray phases (GB):", ours["peak_gb"], "DGL script phases (GB):", dgl["peak_gb"])
     return 0
 

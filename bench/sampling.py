@@ -1,31 +1,15 @@
 """Sampling seeds/s: gnnray's sampler against GraphBolt's, the sampler it replaced, on the same cores.
 
-Run with ``python -m bench.sampling [--threads 1 2] [--batches 60] [--json out.json]``
-in an environment with the dgl extra (``pip install -e '.[test,dgl]'``: torch
-2.2.1), where both samplers load; elsewhere (current torch) only gnnray's runs.
-No Ray: both samplers run in this process, on the same seeds, taking turns
-batch by batch (the order alternates), so machine load hits both alike. Each
-figure is the median over the batches; the ratio is ours over GraphBolt's
-seeds/s (above 1: ours is faster). The baseline is what the landed sampler
-did per layer: GraphBolt's pick (``_sample_neighbors``) plus pandas'
-``factorize`` to number the sources, :class:`gnnray.sampler.graphbolt.GraphBoltSampler`.
-
-Graphs:
-
-1. **arxiv-structure** (``../shared/datasets``, reverse edges), fanouts
-   10,10,10, seeds from its training split, 1024 a batch;
-2. **products-sized synthetic**: ``--dataset synthetic``'s generator at
-   ogbn-products' size (2,449,029 nodes, 50 stored edges a node with reverse
-   edges, 122 M in all), fanouts 15,10,5, 1024 seeds a batch.
-
-It also times the kernels' compile into an empty numba cache and their load
-from a warm one, each in a new process (what a sampler actor pays at start).
+``python -m bench.sampling [--threads 1 2] [--batches 60]``; GraphBolt's side (``GraphBoltSampler``: its pick
+plus pandas' ``factorize``) needs the dgl extra's environment, elsewhere gnnray's runs alone. No Ray: both
+sample the same seeds in this process, taking turns batch by batch; medians over batches. Graphs: the arxiv
+structure (fanouts 10,10,10) and a products-sized synthetic graph (``--dataset synthetic`` at 2,449,029 nodes,
+fanouts 15,10,5), 1024 seeds a batch. Also the numba kernels' compile into an empty cache and load from it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -35,7 +19,7 @@ import time
 
 import numpy as np
 
-from bench.common import DEFAULT_DATASET, REPO
+from bench.harness import DEFAULT_DATASET, REPO, interleaved, write_json
 from gnnray.data.graph import Graph
 
 PRODUCTS_NODES = 2_449_029
@@ -53,20 +37,21 @@ def has_dgl() -> bool:
 
 
 def side_by_side(samplers: dict, batches: list, warmup: int) -> dict:
-    """Sample every batch with each sampler, taking turns; median ms per batch and seeds/s, edges per batch."""
-    times = {name: [] for name in samplers}
-    edges = {name: [] for name in samplers}
-    names = list(samplers)
-    for i, seeds in enumerate(batches):
-        for name in (names if i % 2 == 0 else names[::-1]):
+    """Every batch by each sampler, taking turns: median ms a batch, seeds/s and edges a batch."""
+    def one(name: str):
+        def run(i: int) -> tuple:
             start = time.perf_counter()
-            mb = samplers[name](seeds, i)
-            wall = time.perf_counter() - start
-            if i >= warmup:
-                times[name].append(wall)
-                edges[name].append(sum(int(layer.indices.shape[0]) for layer in mb.layers))
-    return {name: dict(ms=1000 * statistics.median(times[name]), seeds_per_s=BATCH / statistics.median(times[name]),
-                       edges=statistics.median(edges[name]), batches=len(times[name])) for name in names}
+            mb = samplers[name](batches[i], i)
+            return time.perf_counter() - start, sum(int(layer.indices.shape[0]) for layer in mb.layers)
+        return run
+
+    runs = interleaved({name: one(name) for name in samplers}, len(batches) - warmup, warmup)
+    out = {}
+    for name, rs in runs.items():
+        ms = 1000 * statistics.median(t for t, _ in rs)
+        out[name] = dict(ms=ms, seeds_per_s=1000 * BATCH / ms, edges=statistics.median(e for _, e in rs),
+                         batches=len(rs))
+    return out
 
 
 def samplers_for(graph: Graph, fanouts: tuple, threads: int, graphbolt: bool) -> dict:
@@ -151,8 +136,7 @@ def main(argv=None) -> int:
             results.append(row)
         del graph
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(load_avg=os.getloadavg(), compile=compiled, results=results), f, indent=1)
+        write_json(args.json, dict(load_avg=os.getloadavg(), compile=compiled, results=results))
     return 0
 
 

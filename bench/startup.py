@@ -1,38 +1,17 @@
 """Start-up: seconds from the command to the first training step, and when each part of the way ends.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.startup                    # fresh local cluster, 3 runs
-    .venv/bin/python -m bench.startup --join             # joins a head this script starts (ray start --head)
-    .venv/bin/python -m bench.startup --runs 5 -- --num-workers 2 --sampler-actors 2
-
-Each run is ``jobs/train_arxiv.py`` as a user starts it (default options:
-``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval
-sampled``; options after ``--`` are added), in a new process, timed from just
-before it starts. The job is not changed and prints nothing more: the
-milestones come from what the run leaves behind anyway.
-
-- the driver's own output: the ``graph ...`` line;
-- Ray's session logs: the driver's core worker (connected to Ray), the raylet
-  (a worker process launched), each worker process's core log (registered,
-  its actor's constructor finished), Ray Train's controller and worker logs
-  (controller running, worker group started, train function launched) and
-  Ray Data's log (split coordinator created, stream started);
-- the run's progress file, which rank 0 writes after its first training step.
-
-Every run gets its own Ray temp dir (``RAY_TMPDIR``), so the logs read are
-its own. ``--join`` starts one head with ``ray start --head`` (its own ports
-and temp dir, dashboard on), runs every run against it with ``RAY_ADDRESS``
-and stops exactly that head's processes afterwards (not ``ray stop``, which
-stops every Ray cluster on the machine). The first run on a new head is
-reported apart from the later ones: it also pays for the head's first job.
-
-Times are wall-clock seconds on a shared machine: repeat, and compare medians.
+``python -m bench.startup [--runs N] [--join] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` (default
+``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval sampled``) in a new process with a
+Ray temp dir of its own; the milestones come from what a run leaves anyway: its graph line, Ray's session logs
+(driver, raylet, workers, Ray Train's and Ray Data's logs) and rank 0's progress file. ``--join`` starts one
+head (``ray start --head``, stopped by its processes' ids) and runs against it; its first run, which also pays
+for the head's first job, is left out of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -47,6 +26,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
+
+from bench.cpu import machine_busy_s, processes, tree
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "jobs" / "train_arxiv.py"
@@ -79,32 +60,25 @@ _PLAIN = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
 
 def _lines(path: str) -> list[str]:
     try:
-        with open(path, errors="replace") as f:
-            return f.read().splitlines()
+        return open(path, errors="replace").read().splitlines()
     except OSError:
         return []
 
 
 def _first(path: str, needle: str = "", pattern: re.Pattern = _BRACKETED) -> Optional[float]:
     """Time of the first timestamped line of ``path`` containing ``needle``."""
-    for line in _lines(path):
-        if needle in line:
-            m = pattern.match(line)
-            if m:
-                return _log_time(m.group(1))
-    return None
+    return next((_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [pattern.match(line)]
+                 if m), None)
 
 
-def _json_first(paths: list[str], needle: str) -> Optional[float]:
-    """Time of the first line containing ``needle`` in Ray Train's structured (JSON lines) logs."""
+def _json_first(paths: list[str], needle: str = "", head: int = 0) -> Optional[float]:
+    """Earliest line containing ``needle`` (of the first ``head`` lines) in Ray Train's JSON-lines logs."""
     times = []
     for path in paths:
-        for line in _lines(path):
-            if needle in line:
-                try:
+        for line in _lines(path)[:head or None]:
+            with contextlib.suppress(ValueError, KeyError):
+                if needle in line:
                     times.append(_log_time(json.loads(line)["asctime"]))
-                except (ValueError, KeyError):
-                    pass
     return min(times, default=None)
 
 
@@ -114,7 +88,7 @@ def session_logs(tmpdir: str, driver_pid: int) -> Optional[str]:
     return os.path.dirname(found[0]) if found else None
 
 
-def processes(logs: str, job_hex: str) -> list[dict]:
+def worker_processes(logs: str, job_hex: str) -> list[dict]:
     """Every worker process of the job: its actor, when the raylet launched it, registered, constructed it."""
     launched = {}
     for line in _lines(os.path.join(logs, "raylet.out")):
@@ -137,7 +111,7 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
     """Absolute times of :data:`MILESTONES` (``None`` where a run's logs do not show one) and its processes."""
     driver_log = glob.glob(os.path.join(logs, f"python-core-driver-*_{driver_pid}.log"))[0]
     job_hex = os.path.basename(driver_log).split("-")[3][:8]  # python-core-driver-<job id>ffff..._<pid>.log
-    procs = processes(logs, job_hex)
+    procs = worker_processes(logs, job_hex)
 
     def actor(prefix: str, key: str) -> Optional[float]:
         return min((p[key] for p in procs if (p["actor"] or "").startswith(prefix) and p[key]), default=None)
@@ -159,7 +133,7 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
         "graph_line": stdout_times.get("graph"),
         "ray_connected": _first(driver_log, "Initializing worker at address"),
         "controller_launched": actor("TrainController", "launched"),
-        "controller_running": min((t for p in controller for t in [_first_json(p)] if t), default=None),
+        "controller_running": _json_first(controller, head=1),
         "stream_started": data("Starting epoch 0"),
         "sampler_ready": actor("MapWorker", "constructed"),
         "worker_group_started": _json_first(controller, "Started training worker group"),
@@ -169,53 +143,26 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
     return times, procs
 
 
-def _first_json(path: str) -> Optional[float]:
-    for line in _lines(path)[:1]:
-        try:
-            return _log_time(json.loads(line)["asctime"])
-        except (ValueError, KeyError):
-            return None
-    return None
-
-
 class CpuWatch:
-    """CPU seconds the machine spent outside a process tree while it ran: the noise of a shared machine.
-
-    Every ``every_s`` it reads the machine's busy time (``/proc/stat``) and
-    the CPU times of the tree's processes (the driver, its local cluster, and
-    any ``roots`` such as a joined head's processes); a process's last
-    fraction of a period before it exits is missed, so "others" is a slight
-    overestimate.
-    """
+    """CPU-seconds of a process tree (and ``extra_roots``, a joined head's) and of everything else while it ran,
+    polled every ``every_s`` (a process's last fraction of a period is missed: "others" is slightly high)."""
 
     def __init__(self, root_pid: int, extra_roots: Callable[[], list[int]] = lambda: [], every_s: float = 0.25):
         self._root, self._extra, self._every = root_pid, extra_roots, every_s
         self._seen: dict[int, float] = {}
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
-        self._busy0, self._self0 = _machine_busy_s(), _own_cpu_s()
+        self._busy0, self._self0 = machine_busy_s(), _own_cpu_s()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        import psutil
-
         while not self._stop.wait(self._every):
-            for pid in [self._root, *self._extra()]:
-                try:
-                    procs = [psutil.Process(pid)]
-                    procs += procs[0].children(recursive=True)
-                except psutil.Error:
-                    continue
-                for p in procs:
-                    try:
-                        t = p.cpu_times()
-                        self._seen[p.pid] = max(self._seen.get(p.pid, 0.0), t.user + t.system)
-                        name = _process_name(p)
-                        if name != "ray::IDLE" or p.pid not in self.names:  # keep the actor it became
-                            self.names[p.pid] = name
-                    except psutil.Error:
-                        pass
+            for pid, (cmd, cpu_s) in tree([self._root, *self._extra()]).items():
+                self._seen[pid] = max(self._seen.get(pid, 0.0), cpu_s)
+                name = _process_name(cmd)
+                if name != "ray::IDLE" or pid not in self.names:  # keep the actor it became
+                    self.names[pid] = name
 
     def by_process(self) -> dict[str, float]:
         """CPU seconds per kind of process (a Ray worker by its actor, or ``ray::IDLE``)."""
@@ -231,7 +178,7 @@ class CpuWatch:
         self._thread.join()
         mine = sum(self._seen.values())
         watching = _own_cpu_s() - self._self0  # this process's polling, not the others'
-        return mine, max(0.0, _machine_busy_s() - self._busy0 - mine - watching)
+        return mine, max(0.0, machine_busy_s() - self._busy0 - mine - watching)
 
 
 def _own_cpu_s() -> float:
@@ -239,19 +186,12 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def _process_name(p) -> str:
+def _process_name(cmd: str) -> str:
     """``ray::Actor`` for a Ray worker, else the program and its first telling argument."""
-    cmd = p.cmdline()
-    if cmd and cmd[0].startswith("ray::"):
-        return cmd[0].split()[0].split(".")[0]  # ray::TrainController.run -> ray::TrainController
-    words = [os.path.basename(c) for c in cmd[:3] if not c.startswith("-")]
-    return " ".join(w for w in words if w and not w.startswith("python"))[:40] or p.name()
-
-
-def _machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    if cmd.startswith("ray::"):
+        return cmd.split()[0].split(".")[0]  # ray::TrainController.run -> ray::TrainController
+    words = [os.path.basename(c) for c in cmd.split()[:3] if not c.startswith("-")]
+    return " ".join(w for w in words if w and not w.startswith("python"))[:40] or "?"
 
 
 def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900,
@@ -305,25 +245,18 @@ def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: fl
                                     if p[k]}} for p in procs])
 
 
-def idle_fraction(seconds: float = 2.0) -> float:
-    """Share of the machine's CPU time that was idle over the next ``seconds`` (``/proc/stat``)."""
+def wait_until_idle(share: float, patience_s: float = 600) -> float:
+    """Wait (at most ``patience_s``) until at least ``share`` of the CPU was idle over 2 s; the share seen last."""
     def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
+        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
         return v[3] + v[4], sum(v)  # idle + iowait, total
 
-    (i0, t0), _ = sample(), time.sleep(seconds)
-    i1, t1 = sample()
-    return (i1 - i0) / max(1, t1 - t0)
-
-
-def wait_until_idle(share: float, patience_s: float = 600) -> float:
-    """Wait (at most ``patience_s``) until at least ``share`` of the CPU is idle; the share seen last."""
     deadline = time.time() + patience_s
     while True:
-        seen = idle_fraction()
-        if seen >= share or time.time() > deadline:
-            return seen
+        (i0, t0), _ = sample(), time.sleep(2.0)
+        i1, t1 = sample()
+        if (i1 - i0) / max(1, t1 - t0) >= share or time.time() > deadline:
+            return (i1 - i0) / max(1, t1 - t0)
 
 
 class Head:
@@ -338,38 +271,19 @@ class Head:
 
     def pids(self) -> list[int]:
         """The head's own processes (their children, the workers, are found from them)."""
-        import psutil
-
-        found = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if any(self.tmpdir in part for part in p.info["cmdline"] or []):
-                    found.append(p.pid)
-            except psutil.Error:
-                pass
-        return found
+        return [pid for pid, (_, cmd, _) in processes().items() if self.tmpdir in cmd and pid != os.getpid()]
 
     def stop(self) -> None:
         import psutil
 
         mine = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if any(self.tmpdir in part for part in p.info["cmdline"] or []):
-                    mine.append(p)
-            except psutil.Error:
-                pass
-        for p in mine:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(mine, timeout=15)
-        for p in alive:
-            try:
+        for pid in self.pids():
+            with contextlib.suppress(psutil.Error):
+                mine.append(psutil.Process(pid))
+                mine[-1].terminate()
+        for p in psutil.wait_procs(mine, timeout=15)[1]:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass
 
 
 def summary(runs: list[dict]) -> dict:

@@ -1,27 +1,11 @@
 """A run's largest files in a directory and in an object store: time and peak memory of writing and reading them.
 
-Usage (from the repository root)::
-
-    .venv/bin/python -m bench.storage                      # 1,000,000 x 32 rows, 3 rounds
-    .venv/bin/python -m bench.storage --rows 300000 --rounds 1
-    .venv/bin/python -m bench.storage --requests           # requests a whole run makes to the store
-
-What an embedding owner does at a checkpoint and at a resume
-(``gnnray.train.checkpoint``): write its shard (rows, Adam moments, step
-counts) with ``write_rows``, and read a third of the rows back with
-``read_rows`` (a resume on K=3). Each is measured in a fresh process, in a
-temporary directory and in moto's S3 server on the loopback
-(``tests/s3_server.py``, the tests' server), beside each other in every round:
-seconds, and the process's peak resident memory above what it held before
-(the shard itself when writing; nothing but the rows asked for when reading:
-the table "read" is what ``read_rows`` returns, the "extra" what it took
-beyond that). moto is not S3: its times say what this code path costs on one
-machine (HTTP on the loopback, an in-memory store), not what S3 takes.
-
-``--requests`` runs ``jobs/train_arxiv.py`` (a synthetic graph, 3 epochs, a
-checkpoint every epoch, its own local cluster) with ``--storage-path`` in the
-server's bucket, and counts the requests the server received, by method and
-by the file they were for: what a run costs in requests, whatever the store.
+``python -m bench.storage [--rows 1000000] [--rounds 3]``: an embedding owner's checkpoint (``write_rows`` of its
+shard: rows, Adam moments, step counts) and a resume's read of a third of it (``read_rows``), each in a fresh
+process, in a temporary directory, in moto's S3 server on the loopback (``tests/s3_server.py``; not S3: what
+this code path costs on one machine) and, for writes, with pyarrow's default background writes (the baseline
+gnnray turns off), interleaved in rounds; seconds and peak memory above what the process held (medians).
+``--requests``: the requests a whole 3-epoch run (a checkpoint every epoch) makes to the server.
 """
 
 from __future__ import annotations
@@ -33,9 +17,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.harness import REPO, child_env, run_child
 
 
 def _measure(kind: str, location: str, rows: int, dim: int, background: bool = False) -> dict:
@@ -79,12 +62,9 @@ def _measure(kind: str, location: str, rows: int, dim: int, background: bool = F
 
 
 def _in_fresh_process(kind: str, location: str, rows: int, dim: int, env: dict, background: bool = False) -> dict:
-    code = (f"import json, bench.storage as b; "
-            f"print(json.dumps(b._measure({kind!r}, {location!r}, {rows}, {dim}, {background})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{kind} at {location} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    code = (f"import bench.storage as b, bench.harness as h; "
+            f"h.emit(b._measure({kind!r}, {location!r}, {rows}, {dim}, {background}))")
+    return run_child([sys.executable, "-c", code], env, what=f"{kind} at {location}")
 
 
 RUN = ["--dataset", "synthetic", "--synthetic-nodes", "3000", "--synthetic-feat-dim", "16", "--fanouts", "5,5",
@@ -126,8 +106,7 @@ def main(argv=None) -> None:
     from s3_server import start_for_session
 
     server = start_for_session()  # its endpoint and credentials in this process's environment, and the runs'
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("RAY_ADDRESS", None)  # the run starts its own local cluster
+    env = child_env()  # the run starts its own local cluster
     if a.requests:
         try:
             _requests_of_a_run(server.wait(), env)

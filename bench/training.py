@@ -1,24 +1,8 @@
-"""The fast trainer (``--stages fast``): a GPU worker's regime on the CPU, the real job's data wait and seeds/s.
+"""The ``fast`` stage: the fast trainer (GraphSAGE 2 x 32, fanouts 15,10, a GPU worker's regime on the CPU).
 
-Every job run is ``gnnray.driver.fit.run`` with ``--max-ahead`` bounding the
-sampler pool (:func:`bench.common.job_config`), so its steady epochs sample
-beside the trainer. Its numbers are what the job itself reports per epoch
-(``metrics.jsonl``): the medians over the steady epochs (:func:`steady`:
-neither the first, with the start-up, nor the last, with little sampling
-left beside it), every epoch in the JSON.
-
-GraphSAGE 2 x 32 with fanouts 15,10, meant to take about as long per step as
-sampling one batch, so that data wait and the sampler pool decide throughput:
-the job with 2 sampler actors against 1, and (whether the regime was reached)
-its step time against sampling one batch on one thread. It trains on the full
-training split in both modes (``--quick`` runs fewer epochs): its epochs are
-short anyway, and many times ``--max-ahead`` steps long, so that the batches
-sampled ahead during validation do not hide the sampler's rate.
-
-The data wait and throughput of the 3 x 256 job against DGL's loop in the
-same process (figures 1 and 3 before) are retired: their figures are in
-docs/history/performance.md, and the current throughput is the whole runs'
-(:mod:`bench.wall`).
+The job (``fit.run``, the job's read-ahead bound) with 2 sampler actors against 1: data wait and seeds/s, the
+medians of the steady epochs of its ``metrics.jsonl``; and its step against sampling one batch on one thread
+(whether the regime was reached). It trains on the full training split, ``--quick`` or not.
 """
 
 from __future__ import annotations
@@ -31,7 +15,8 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.common import Row, Settings, _dgl, attempt, compare, epochs_of, job_config
+from bench.harness import Row, attempt, compare, dgl_or_none
+from bench.settings import Settings, epochs_of, job_config
 from gnnray.config import DataConfig, JobConfig
 from gnnray.data.graph import Graph
 
@@ -42,7 +27,7 @@ def recording_model(path: str, in_feats: int, num_classes: int, cfg: JobConfig):
 
     from gnnray.models.model import model_for
 
-    dgl = _dgl()  # only in the dgl extra's environment
+    dgl = dgl_or_none()  # only in the dgl extra's environment
     with open(path, "w") as f:
         json.dump(dict(torch_threads=torch.get_num_threads(), dgl_threads=dgl.utils.get_num_threads() if dgl else None,
                        omp_num_threads=os.environ.get("OMP_NUM_THREADS")), f)
@@ -50,13 +35,8 @@ def recording_model(path: str, in_feats: int, num_classes: int, cfg: JobConfig):
 
 
 def steady(epochs: list[dict], seeds_per_step: int) -> dict:
-    """Medians of the steady epochs: all but the first and the last; ``step_ms`` is a step's time, waits included.
-
-    The first includes the start of the workers and sampler actors. In the
-    last, the sampler pool has only the rows it had not yet sampled left (the
-    stream ends there), so up to ``--max-ahead`` steps per worker train with
-    no sampling beside them: in short epochs most of the epoch.
-    """
+    """Medians of the steady epochs, all but the first (start-up) and the last (the stream ends in it: steps
+    without sampling beside them); ``step_ms`` is a step's time, waits included."""
     runs = [m for m in epochs if 1 <= m["epoch"] < epochs[-1]["epoch"]]
     if not runs:
         raise ValueError(f"{len(epochs)} epochs: need 3 or more for a steady one")
@@ -84,13 +64,7 @@ def measure_job(data: DataConfig, s: Settings, workdir: Path, name: str, label: 
 
 
 def bench_fast_trainer(data: DataConfig, graph: Graph, s: Settings, workdir: Path) -> list[Row]:
-    """The fast trainer's data wait and seeds/s with 2 sampler actors against 1, and its step against sampling.
-
-    The last row checks the regime: the 1-actor run's step time (data wait
-    included) against the plain loop's time to sample one batch on one thread
-    (``graph`` has the job's structure; its first training seeds, as in
-    figure 2).
-    """
+    """Data wait and seeds/s with 2 sampler actors against 1; the 1-actor step against sampling one batch."""
     fast = dataclasses.replace(s, fanouts=tuple(s.fast_fanouts), hidden=s.fast_hidden, epochs=s.fast_epochs)
     runs = {k: attempt(lambda k=k: measure_job(data, dataclasses.replace(fast, samplers=k), workdir,
                                                f"bench-fast-{k}", f"fast trainer, {k} sampler actor(s)"))
@@ -106,7 +80,7 @@ def bench_fast_trainer(data: DataConfig, graph: Graph, s: Settings, workdir: Pat
 
 def sampling_ms(graph: Graph, s: Settings, batches: int = 40, warmup: int = 8) -> dict:
     """Milliseconds to sample one of the job's batches in a plain loop on one thread (figure 2's baseline)."""
-    from bench.sampler_runs import plain_sampling, same_seed_batches
+    from bench.actors import plain_sampling, same_seed_batches
 
     r = plain_sampling(graph, s.fanouts, same_seed_batches(graph.train_idx, s, batches)[0], warmup)
     print(f"[fast] sampling, plain loop, 1 thread: {1000 / r['batches_per_s']:.1f} ms/batch", flush=True)

@@ -1,33 +1,12 @@
-"""Whole runs as a user starts them: steady seeds/s and CPU-seconds per epoch from two run lengths, and start-up.
+"""The ``wall`` stage: whole runs as a user starts them, ours against the DGL loop's script, side by side.
 
-Ours: ``python jobs/train_arxiv.py OPTIONS --epochs E`` in a new process,
-with the benchmark's job options (:func:`job_argv`: the same graph, model,
-fanouts, batch size, ``--max-ahead`` and ``--eval sampled``; threads come from
-the CPU plan, or from ``--cpus-per-worker`` with ``--cpu-plan off``), timed
-from process start to exit. It starts its own local Ray cluster (the
-benchmark's is shut down before). Baselines: ``python -m bench.dgl_loop``
-with the same configuration (:func:`bench.dgl_loop.end_to_end`: imports,
-loading, the same epochs, validation and test) on as many threads as cores,
-as a DGL user runs it: ``DataLoader(num_workers=0)``, ``num_workers=1``, and
-``num_workers=1`` with DGL's ``enable_cpu_affinity``.
-
-Every configuration runs twice, for ``E_short`` and ``E_long`` epochs, one
-after the other. The difference of the two cancels start-up and the final
-test: a steady epoch takes ``(wall_long - wall_short) / (E_long - E_short)``
-seconds, validation and everything between epochs included, and costs
-``(cpu_long - cpu_short) / (E_long - E_short)`` CPU-seconds of the whole
-machine (its non-idle time in ``/proc/stat``: every process, Ray's daemons
-included). That CPU figure does not depend on how many cores the machine has.
-
-The pairs run in ``--wall-repeats`` rounds, each round every configuration
-once in turn, and each figure is the median over the rounds. Whole runs on
-one machine drift by 10-15% between hours (docs/performance.md#current-figures): only
-configurations interleaved within one benchmark run are compared.
-
-During ours' long run, :mod:`bench.cpu` snapshots every process's CPU time
-at each epoch's line in ``metrics.jsonl``; the windows between those lines,
-but the last, are steady epochs, and their medians per process group make
-the table of where the time goes.
+Ours: ``python jobs/train_arxiv.py`` with the benchmark's options (:func:`job_argv`; its own local cluster; also
+with 2 DDP workers and ``--cpu-plan off``); baselines: ``python -m bench.dgl_loop`` on as many threads as cores
+with ``DataLoader(num_workers=0)`` and ``num_workers=1``. Each runs for ``E_short`` and ``E_long`` epochs: a steady epoch takes
+``(wall_long - wall_short) / (E_long - E_short)`` seconds and as many machine CPU-seconds (``/proc/stat``,
+every process), start-up and the final test cancelled out. The configurations run in ``--wall-repeats``
+interleaved rounds; each figure is the median over rounds (whole runs drift 10-15% between hours). During
+ours' long run :mod:`bench.cpu` snapshots every process at each epoch line: the table of where the time goes.
 """
 
 from __future__ import annotations
@@ -44,16 +23,15 @@ import typing
 from pathlib import Path
 
 from bench import cpu
-from bench.common import DGL_PYTHON, REPO, Result, Row, Settings, attempt, compare, epochs_of, job_config, metrics_log
-from bench.dgl_loop import RESULT
+from bench.harness import DGL_PYTHON, REPO, Result, Row, attempt, compare, medians, run_child
+from bench.settings import Settings, epochs_of, job_config, metrics_log
 from gnnray.config import DataConfig, JobConfig
 
 FIGURE = "whole runs"
 # The environment this process was started with (read before it starts Ray, which adds to it), less any
 # RAY_ADDRESS: a user's run on one machine starts its own cluster.
 USER_ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-DGL_LOADERS = {"DGL num_workers=0": (0, False), "DGL num_workers=1": (1, False),
-               "DGL num_workers=1 + enable_cpu_affinity": (1, True)}
+DGL_LOADERS = {"DGL num_workers=0": 0, "DGL num_workers=1": 1}
 
 
 def job_argv(cfg: JobConfig) -> list[str]:
@@ -80,11 +58,8 @@ def job_argv(cfg: JobConfig) -> list[str]:
 
 
 def timed(name: str, cmd: list[str], on_epoch_log: typing.Optional[Path] = None) -> dict:
-    """Run ``cmd`` from the repository root: wall time, the machine's CPU-seconds, output, per-epoch snapshots.
-
-    With ``on_epoch_log``, every process's CPU time is snapshot each time a
-    line is added to that file (the run's ``metrics.jsonl``).
-    """
+    """Run ``cmd`` from the repository root: wall time, the machine's CPU-seconds, output, and with
+    ``on_epoch_log`` every process's CPU time at each line added to that file."""
     watching = cpu.on_new_lines(on_epoch_log, cpu.snapshot) if on_epoch_log else contextlib.nullcontext([])
     with watching as snaps:
         start, busy = time.perf_counter(), cpu.machine_busy_s()
@@ -110,12 +85,11 @@ def ours(cfg: JobConfig) -> dict:
                 epochs=epochs)
 
 
-def dgl(cfg: JobConfig, cores: int, loader_workers: int, affinity: bool) -> dict:
-    spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers, affinity=affinity)
-    r = timed("bench.dgl_loop", [DGL_PYTHON, "-m", "bench.dgl_loop", json.dumps(spec)])
-    out = r.pop("stdout")
-    result = json.loads([line for line in out.splitlines() if line.startswith(RESULT)][-1][len(RESULT):])
-    return dict(r, **result)
+def dgl(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
+    spec = dict(job=dataclasses.asdict(cfg), cores=cores, loader_workers=loader_workers)
+    start, busy = time.perf_counter(), cpu.machine_busy_s()
+    r = run_child([DGL_PYTHON, "-m", "bench.dgl_loop", json.dumps(spec)], USER_ENV, what="bench.dgl_loop")
+    return dict(r, wall_s=time.perf_counter() - start, cpu_s=cpu.machine_busy_s() - busy, windows=[])
 
 
 def steady(short: Result, long: Result, more: int, seeds_per_epoch: int) -> Result:
@@ -141,10 +115,8 @@ def _epochs(run: dict) -> int:
 
 
 def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, round_: int = 0) -> dict:
-    """Ours (plan on, plan off, DDP) and the DGL loops, each a function running ``epochs`` epochs.
-
-    Each round's runs get names of their own: the same name would resume the last round's finished run.
-    """
+    """Ours and the DGL loops, each a function running ``epochs`` epochs (names of each round's own: the same
+    name would resume the last round's finished run)."""
     def cfg(name: str, workers: int = 1, **train) -> JobConfig:
         c = job_config(data, dataclasses.replace(s, epochs=epochs, workers=workers), workdir,
                        f"{name}-{epochs}-r{round_}")
@@ -156,22 +128,16 @@ def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, ro
         # Ray's defaults as a new user gets them: one thread per --cpus-per-worker 1.
         OFF: lambda: ours(cfg("wall-off", cpu_plan="off")),
         # The sampler actor whatever the plan would choose: what CPU runs did before the plan chose.
-        ACTORS: lambda: ours(sampled_by_actors(cfg("wall-actors"))),
         ddp_name(s): lambda: ours(cfg("wall-ddp", workers=s.ddp_workers)),
     }
-    for name, (w, affinity) in DGL_LOADERS.items():
-        runs[name] = lambda w=w, affinity=affinity: dgl(one, s.cores, w, affinity)
+    for name, w in DGL_LOADERS.items():
+        runs[name] = lambda w=w: dgl(one, s.cores, w)
     return {k: v for k, v in runs.items() if not s.wall_only or k in chosen(s)}
 
 
-def sampled_by_actors(cfg: JobConfig) -> JobConfig:
-    return dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on="actors"))
-
-
-ONE, OFF, ACTORS = "ours, 1 worker", "ours, 1 worker, --cpu-plan off", "ours, 1 worker, --sample-on actors"
+ONE, OFF = "ours, 1 worker", "ours, 1 worker, --cpu-plan off"
 # --wall-only's short names.
-SHORT_NAMES = {"ours": ONE, "off": OFF, "actors": ACTORS, "ddp": None, "dgl0": "DGL num_workers=0", "dgl1": "DGL num_workers=1",
-               "dgl1-affinity": "DGL num_workers=1 + enable_cpu_affinity"}
+SHORT_NAMES = {"ours": ONE, "off": OFF, "ddp": None, "dgl0": "DGL num_workers=0", "dgl1": "DGL num_workers=1"}
 
 
 def ddp_name(s: Settings) -> str:
@@ -204,13 +170,9 @@ def median_round(rounds: list, seeds_per_epoch: int) -> Result:
     done = [r for r in rounds if not isinstance(r, Exception)]
     if not done:
         return rounds[0]
-    epoch_s = statistics.median(r["epoch_s"] for r in done)
-    out = dict(epoch_s=epoch_s, seeds_per_s=seeds_per_epoch / epoch_s,
-               cpu_s=statistics.median(r["cpu_s"] for r in done),
-               start_s=statistics.median(r["start_s"] for r in done),
-               whole_s=statistics.median(r["whole_s"] for r in done),
-               epoch_s_rounds=[r["epoch_s"] for r in done], cpu_s_rounds=[r["cpu_s"] for r in done],
-               failed_rounds=len(rounds) - len(done), rounds=done)
+    out = medians(done, "epoch_s", "cpu_s", "start_s", "whole_s")
+    out.update(seeds_per_s=seeds_per_epoch / out["epoch_s"], epoch_s_rounds=[r["epoch_s"] for r in done],
+               cpu_s_rounds=[r["cpu_s"] for r in done], failed_rounds=len(rounds) - len(done), rounds=done)
     groups = sorted({g for r in done for g in r.get("by_process", {})})
     if groups:
         out["by_process"] = {g: statistics.median(r.get("by_process", {}).get(g, 0.0) for r in done)
@@ -224,7 +186,7 @@ def rows_for(results: dict, s: Settings) -> list[Row]:
     best_name = max(dgl, key=lambda k: dgl[k]["seeds_per_s"]) if dgl else "DGL num_workers=0"
     best = dgl.get(best_name, results.get(best_name))
     one, off, ddp = results.get(ONE), results.get(OFF), results.get(ddp_name(s))
-    actors, loop0 = results.get(ACTORS), results.get("DGL num_workers=0")
+    loop0 = results.get("DGL num_workers=0")
     wanted = [
         (one, best, f"{FIGURE}: steady seeds/s, 1 worker vs best DGL ({best_name})", ">= 1.1x", "seeds_per_s",
          lambda r: r >= 1.1, "{:.0f}"),
@@ -232,10 +194,6 @@ def rows_for(results: dict, s: Settings) -> list[Row]:
          "cpu_s", lambda r: r <= 1.0, "{:.1f}"),
         (one, loop0, f"{FIGURE}: whole {s.wall_epochs[-1]}-epoch run (median), 1 worker vs DGL num_workers=0",
          "<= 1.15x", "whole_s", lambda r: r <= 1.15, "{:.1f} s"),
-        (one, actors, f"{FIGURE}: steady seeds/s, 1 worker, the plan's sampling vs --sample-on actors", "",
-         "seeds_per_s", None, "{:.0f}"),
-        (one, actors, f"{FIGURE}: whole {s.wall_epochs[-1]}-epoch run, the plan's sampling vs --sample-on actors",
-         "", "whole_s", None, "{:.1f} s"),
         (ddp, best, f"{FIGURE}: steady seeds/s, {s.ddp_workers} DDP workers vs best DGL ({best_name})", ">= 1.0x",
          "seeds_per_s", lambda r: r >= 1.0, "{:.0f}"),
         (ddp, loop0, f"{FIGURE}: CPU-s per steady epoch, {s.ddp_workers} DDP workers vs DGL num_workers=0", "",

@@ -1,40 +1,18 @@
 """The train worker's GPU path, checked on a bare GPU machine: ``python -m bench.gpu [--smoke] [--json PATH]``.
 
-Needs torch and numpy only (no Ray, no DGL: what a lent GPU machine with torch
-2.11 and Python 3.12 has), and runs on synthetic :class:`~gnnray.batch.Layer`
-batches (:func:`~bench.gpu.batches.synthetic_batch`):
-
-- ``model NAME``: each built-in model's forward and backward on the device
-  against the same model (same weights, same batch) on the CPU: the largest
-  difference of the outputs and of the gradients, relative to the largest CPU
-  value, and the time per step on each; on CUDA also the host syncs of a
-  training step (``train_epoch``: model, loss, Adam), counted with torch's sync
-  debug mode;
-- ``prefetch float32|float16`` (median of 3 runs): per batch with the ``Prefetcher`` against
-  the larger of its copy (gather + host-to-device) and the compute, and the
-  serial time (gather, pageable copy, compute in turn);
-- ``layerwise NAME``: layer-wise full-neighbor inference (``train.layerwise.infer``, what the workers run
-  after the last epoch) on the device against the CPU, on a random arxiv-sized graph: the last hidden
-  layer's rows and the predictions compared, and the time of each;
-- ``ddp step``: ``train_epoch`` under DDP fed by the ``Prefetcher``, with NCCL
-  (one process per GPU; one process on a single GPU), or gloo on the CPU: time
-  per step, and the ranks' weights equal afterwards;
-- ``syncs embedding``, ``syncs rgat``: host syncs of ``--embedding-dim``'s gradient
-  exchange and of rgat's synchronised BatchNorm (``bench/gpu/syncs.py``).
-
-Each row's code is its own module (``models.py``, ``prefetch.py``, ``layerwise.py``, ``ddp.py``; what they
-share is ``batches.py``). It prints a table and writes every number to ``bench-results/gpu.json``; a failed row
-shows its error, the others still run, and the exit status is 1. Without CUDA every row runs on the CPU at small sizes, as a
-smoke test (tests/test_gpu_bench.py), and says so. ``python -m bench`` runs the prefetch row as figure 5.
+Torch and numpy only (no Ray, no DGL), on synthetic batches (``batches.py``); each row against the CPU or the
+bound it should meet: ``model NAME`` and ``layerwise NAME`` (``models.py``: the device's outputs and gradients
+against the CPU's, step times, host syncs a step), ``prefetch float32|float16`` (``overlap.py``: a batch with
+the ``Prefetcher`` against max(copy, compute)), ``ddp step`` (``ddp.py``) and ``syncs ...`` (``syncs.py``). A
+failed row shows its error and the others still run. Without CUDA every row runs on the CPU at small sizes, as
+a smoke test (tests/test_gpu_bench.py). ``python -m bench`` runs the prefetch row as its ``gpu`` stage.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import traceback
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -42,12 +20,12 @@ import torch
 
 from bench.gpu.batches import FULL, SMOKE
 from bench.gpu.ddp import ddp_row
-from bench.gpu.layerwise import layerwise_row
-from bench.gpu.models import model_row
-from bench.gpu.prefetch import median_run, prefetch_overlap
+from bench.gpu.models import layerwise_row, model_row
+from bench.gpu.overlap import median_run, prefetch_overlap
+from bench.harness import RESULTS, write_json
 
 FIGURE, TARGET = "GPU prefetch s/batch (overlap)", "<= 1.1 x max(copy, compute)"
-DEFAULT_JSON = Path(__file__).resolve().parents[2] / "bench-results" / "gpu.json"
+DEFAULT_JSON = RESULTS / "gpu.json"
 
 
 def run(smoke: bool) -> dict:
@@ -112,7 +90,7 @@ def table(result: dict) -> str:
 
 def bench_gpu(s) -> list:
     """Figure 5 of ``python -m bench``: the prefetch row on CUDA; n/a without a GPU."""
-    from bench.common import Row, verdict
+    from bench.harness import Row, verdict
 
     if not torch.cuda.is_available():
         return [Row(FIGURE, ours="n/a (no GPU)", baseline="n/a", ratio="-", target=TARGET, met="n/a")]
@@ -131,7 +109,6 @@ def main(argv=None) -> int:
         print("no CUDA device: every row runs on the CPU at small sizes, as a smoke test (no GPU figures)")
     result = run(args.smoke)
     print(table(result))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1, default=float))
+    write_json(args.json, result)
     print(f"wrote {args.json}")
     return 1 if any(r["status"] != "ok" for r in result["rows"].values()) else 0

@@ -1,13 +1,16 @@
-"""What the GPU bench's rows share: synthetic sampled batches, its sizes, the models, a median timer."""
+"""What the GPU bench's rows share: synthetic sampled batches, its sizes, the models, timers and sync counts."""
 
 from __future__ import annotations
 
-import statistics
+import contextlib
 import time
+import warnings
 from typing import Callable
 
 import numpy as np
 import torch
+
+from bench.harness import free_port, median_s as _median_s
 
 REL_TOL = 1e-4  # device against CPU, relative to the largest CPU value (float32, summation orders differ)
 RELATIONS = 3  # of the typed batches the relational models get
@@ -59,15 +62,54 @@ def sync(dev: torch.device) -> None:
 
 def median_s(fn: Callable[[], object], dev: torch.device, reps: int) -> float:
     """Median seconds of ``fn`` (after one warm-up call), the device's queued work included."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(dev)
-        t = time.perf_counter()
+    return _median_s(fn, reps, lambda: sync(dev))
+
+
+def count_syncs(fn) -> int:
+    """Host syncs while ``fn()`` runs, by torch's sync debug mode (0 without CUDA)."""
+    if not torch.cuda.is_available():
         fn()
-        sync(dev)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        return 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # Not "synchroniz" alone: the mode's own first notice ("... does not yet detect all synchronizing operations").
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
+
+
+def timed_epoch(*args, **kwargs) -> dict:
+    """``train_epoch`` and its seconds."""
+    from gnnray.train.step import train_epoch
+
+    t = time.perf_counter()
+    return dict(train_epoch(*args, **kwargs), seconds=time.perf_counter() - t)
+
+
+def per_step(epoch: Callable[[int], dict], k: int = 4) -> dict:
+    """Host syncs and seconds a step, and the loss, of ``epoch(steps)`` (a :func:`timed_epoch`): the difference
+    between epochs of ``2k`` and ``k`` steps after a warm-up one, so the epoch's own read-back at its end cancels."""
+    epoch(k)  # warm-up: the allocator's first blocks, Adam's state
+    syncs = (count_syncs(lambda: epoch(2 * k)) - count_syncs(lambda: epoch(k))) / k
+    last = epoch(2 * k)
+    return dict(host_syncs_per_step=syncs if torch.cuda.is_available() else None, step_s=last["seconds"] / (2 * k),
+                loss=last["loss"])
+
+
+@contextlib.contextmanager
+def one_rank_group(dev: torch.device):
+    """A one-rank default process group: NCCL on CUDA, gloo on the CPU."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1, **({"device_id": dev} if dev.type == "cuda" else {}))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def build(name: str, z: dict):

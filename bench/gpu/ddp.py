@@ -76,14 +76,12 @@ def _gpus_of(pids: list) -> dict:
 
 def ddp_row(dev: torch.device, z: dict) -> dict:
     """One DDP epoch per rank: NCCL with one process per GPU (in this process on a single GPU), gloo on the CPU."""
-    import socket
     import tempfile
 
+    from bench.harness import free_port
+
     cuda = dev.type == "cuda"
-    world = torch.cuda.device_count() if cuda else 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    world, port = torch.cuda.device_count() if cuda else 1, free_port()
     with tempfile.TemporaryDirectory() as out:
         if world == 1:
             _ddp_rank(0, 1, port, dev.type, z, out)

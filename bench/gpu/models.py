@@ -1,14 +1,15 @@
-"""``model NAME``: each built-in model's forward and backward on the device against the CPU; host syncs per step."""
+"""``model NAME``: each built-in model's forward and backward on the device against the CPU, host syncs per step;
+``layerwise NAME``: layer-wise full-neighbor inference on the device against the CPU, on a random graph."""
 
 from __future__ import annotations
 
 import copy
-import warnings
+import time
 
 import numpy as np
 import torch
 
-from bench.gpu.batches import REL_TOL, RELATIONS, build, median_s, synthetic_batch
+from bench.gpu.batches import REL_TOL, RELATIONS, build, median_s, per_step, sync, synthetic_batch, timed_epoch
 
 
 def model_row(name: str, dev: torch.device, z: dict) -> dict:
@@ -51,23 +52,37 @@ def model_row(name: str, dev: torch.device, z: dict) -> dict:
 
 
 def syncs_per_step(model, mb, z: dict) -> float:
-    """Host syncs per ``train_epoch`` step (model, loss, Adam, metrics), by torch's sync debug mode: the
-    difference between epochs of ``2k`` and ``k`` steps, so the epoch's own read-back at its end cancels out."""
-    from gnnray.train.step import train_epoch
-
+    """Host syncs per ``train_epoch`` step (model, loss, Adam, metrics), by torch's sync debug mode."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    dev = mb.x.device
+    return per_step(lambda n: timed_epoch(model, optimizer, iter([mb] * n), n, z["classes"], mb.x.device))[
+        "host_syncs_per_step"]
 
-    def count(steps: int) -> int:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                train_epoch(model, optimizer, iter([mb] * steps), steps, z["classes"], dev)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in seen)
 
-    k = 4
-    count(k)  # warm-up: the allocator's first blocks, Adam's state
-    return (count(2 * k) - count(k)) / k
+def layerwise_row(name: str, dev: torch.device, z: dict) -> dict:
+    """Layer-wise inference of ``name`` (same weights) on ``dev`` and on the CPU, over a random graph."""
+    from gnnray.data.csc import csc_from_edges
+    from gnnray.data.graph import Graph
+    from gnnray.train.layerwise import SliceRows, infer
+
+    rng, n = np.random.default_rng(2), z["graph_nodes"]
+    indptr, indices = csc_from_edges(rng.integers(0, n, z["graph_edges"]), rng.integers(0, n, z["graph_edges"]), n)
+    ids = rng.permutation(n)
+    graph = Graph(indptr, indices, rng.standard_normal((n, z["in_feats"]), dtype=np.float32),
+                  rng.integers(0, z["classes"], n), np.sort(ids[:n // 2]), np.sort(ids[n // 2:3 * n // 4]),
+                  np.sort(ids[3 * n // 4:]), z["classes"], "random")
+    torch.manual_seed(0)
+    on_cpu = build(name, z)
+    runs = {}
+    for where, model in (("cpu", on_cpu), ("device", copy.deepcopy(on_cpu).to(dev))):
+        d = torch.device("cpu") if where == "cpu" else dev
+        infer(model, graph, [SliceRows([(0, graph.feat)])], 10_000, d, keep_input=True)  # warm-up
+        sync(d)
+        t = time.perf_counter()
+        runs[where] = infer(model, graph, [SliceRows([(0, graph.feat)])], 10_000, d, keep_input=True)
+        runs[where].seconds = time.perf_counter() - t
+    a, b = runs["cpu"], runs["device"]
+    scale = float(np.abs(a.last_input).max()) or 1.0
+    diff = float(np.abs(a.last_input - b.last_input).max())
+    row = dict(nodes=n, edges=int(indptr[-1]), hidden_rel_diff=diff / scale, pred_agree=float(np.mean(a.pred == b.pred)), cpu_s=a.seconds, device_s=b.seconds)
+    row["met"] = row["hidden_rel_diff"] <= REL_TOL and row["pred_agree"] >= 0.999
+    return row

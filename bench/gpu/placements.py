@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.harness import DEFAULT_DATASET, REPO, RESULTS, write_json
+
 ROWS = ("host/actors", "device/actors", "uva/actors", "device/device")
 COMMON = ["--batch-size", "1024", "--hidden", "256", "--num-workers", "1", "--eval", "sampled"]
 
@@ -116,7 +117,7 @@ def ceiling(options: list, dev: torch.device, batches: int, passes: int = 3) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arxiv", default=str(REPO.parent / "shared" / "datasets" / "arxiv-structure"))
+    p.add_argument("--arxiv", default=str(DEFAULT_DATASET))
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: that it runs")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--actors", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 4)),
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", nargs="*", default=list(ROWS), help="placement/sample_on rows (default: %(default)s)")
     p.add_argument("--job-timeout", type=float, default=1800, help="seconds a job may take")
     p.add_argument("--console", default="", help="a folder for each job's whole console (GRAPH-PLACEMENT-ON.txt)")
-    p.add_argument("--json", default=str(REPO / "bench-results" / "gpu-placements.json"))
+    p.add_argument("--json", default=str(RESULTS / "gpu-placements.json"))
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.smoke
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -167,8 +168,7 @@ def main(argv=None) -> int:
                 if line.startswith(("sampling plan", "features")):
                     print(f"    {line}", flush=True)
         out[name]["seconds"] = time.monotonic() - started
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=1))
+    write_json(a.json, out)
     print(f"\nwritten: {a.json}")
     return 1 if failed else 0
 

@@ -18,18 +18,17 @@ Each row also says how many batches a second it supplies. ``--smoke`` runs tiny 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.harness import RESULTS, write_json
+
 PRODUCTS = ["--dataset", "synthetic", "--synthetic-nodes", "1000000", "--synthetic-avg-degree", "50",
             "--synthetic-feat-dim", "100", "--synthetic-classes", "47", "--fanouts", "15,10,5",
             "--batch-size", "1024", "--hidden", "256"]
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--batches", type=int, default=20)
-    p.add_argument("--json", default=str(REPO / "bench-results" / "gpu-stages.json"))
+    p.add_argument("--json", default=str(RESULTS / "gpu-stages.json"))
     a = p.parse_args(argv)
     from gnnray.config import parse_args
     from gnnray.data.load import load_graph
@@ -137,8 +136,7 @@ def main(argv=None) -> int:
     print(f"{inputs:,.0f} input nodes a batch, {inputs * graph.feat_dim * 4 / 2**20:.0f} MiB of float32 features")
     out = dict(device=torch.cuda.get_device_name(0) if cuda else "cpu", input_nodes=inputs,
                seconds=dict(rows), rows_equal=checked, cores=os.cpu_count())
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=1))
+    write_json(a.json, out)
     print(f"written: {a.json}")
     return 0 if all(checked.values()) else 1
 

@@ -1,120 +1,59 @@
-"""Host syncs of the step's two collectives, on one device: ``bench.gpu``'s rows ``syncs embedding`` and ``syncs rgat``;
-and ``syncs placed``: the step fed with features gathered on the device (``--feature-placement``), none expected.
-
-Both run under a one-rank process group (NCCL on CUDA, gloo on the CPU), so the
-code takes its multi-rank path on one GPU; the collectives then move nothing,
-and what is counted is what the path asks of the host:
-
-- ``syncs embedding``: ``train_epoch`` with ``--embedding-dim`` (SAGE over
-  features and a :class:`~gnnray.train.embedding.NodeEmbedding`, fed by the
-  ``Prefetcher``): the ids' exchange, the gradient scattered into the union's
-  rows, its all-reduce and the reduced rows' copy to the host table, the step's
-  one read-back by design (the table is on the host);
-- ``syncs rgat``: rgat's ``train_epoch`` with its BatchNorms on their
-  synchronised path (:meth:`~gnnray.models.model.SyncBatchNorm.synced`, forced
-  on one rank), and one BatchNorm call (forward and backward) of gnnray's and
-  of torch's ``nn.SyncBatchNorm`` (its autograd function, called with the
-  one-rank group; CUDA only, plain BatchNorm on the CPU): host syncs and time
-  of each, and their input gradients compared.
-
-Host syncs are counted with torch's sync debug mode (CUDA only: on the CPU the
-rows check that the paths run and agree, and count nothing).
+"""Host syncs of the step's collectives on one device, under a one-rank process group (NCCL on CUDA, gloo on
+the CPU: the multi-rank path, moving nothing): ``syncs embedding`` (``--embedding-dim``: the ids' exchange, the
+gradient's all-reduce and the reduced rows' copy to the host table, one read-back by design), ``syncs rgat``
+(rgat's BatchNorms on their synchronised path, and one BatchNorm call of gnnray's against torch's
+``nn.SyncBatchNorm``: syncs, time, input gradients) and ``syncs placed`` (features on the device: none
+expected). Counted with torch's sync debug mode, on CUDA only: on the CPU the rows check that the paths run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import socket
-import warnings
 
 import numpy as np
 import torch
+
+from bench.gpu.batches import count_syncs, one_rank_group
 
 EMBEDDING_DIM = 16
 STEPS = 4  # syncs per step = (count over 2 x STEPS steps - count over STEPS) / STEPS: the epoch's end cancels out
 
 
-@contextlib.contextmanager
-def one_rank_group(dev: torch.device):
-    """A one-rank default process group: NCCL on CUDA, gloo on the CPU."""
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, **({"device_id": dev} if dev.type == "cuda" else {}))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def count_syncs(fn) -> int:
-    """Host syncs while ``fn()`` runs, by torch's sync debug mode (0 without CUDA)."""
-    if not torch.cuda.is_available():
-        fn()
-        return 0
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # Not "synchroniz" alone: the mode's own first notice ("... does not yet detect all synchronizing operations").
-    return sum("called a synchronizing CUDA operation" in str(w.message) for w in seen)
-
-
 def embedding_row(dev: torch.device, z: dict) -> dict:
     """Host syncs and time per ``train_epoch`` step with a learnable embedding, on the multi-rank path."""
-    import time
-
     from bench.gpu import batches
     from gnnray.train.embedding import NodeEmbedding
     from gnnray.train.prefetch import Prefetcher
-    from gnnray.train.step import train_epoch
 
     # Batches drawn from the same ids: rows a step updates recur in the next batches (re-read when taken).
     rows, feat = batches.synthetic_rows(np.random.default_rng(3), 2 * STEPS, z["batch"], z["fanouts"], z["classes"],
-                                    z["in_feats"])
+                                        z["in_feats"])
     with one_rank_group(dev):
         torch.manual_seed(0)
         table = NodeEmbedding(feat.shape[0], EMBEDDING_DIM, 0.01)
         model = batches.build("sage", dict(z, in_feats=z["in_feats"] + EMBEDDING_DIM)).to(dev)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        seconds = {}
 
         def epoch(steps: int) -> dict:
-            with Prefetcher(rows[:steps], feat, dev, depth=2, embedding=table) as batches:
-                t = time.perf_counter()
-                out = train_epoch(model, optimizer, batches, steps, z["classes"], dev, embedding=table)
-                seconds[steps] = time.perf_counter() - t
-                return out
+            with Prefetcher(rows[:steps], feat, dev, depth=2, embedding=table) as it:
+                return batches.timed_epoch(model, optimizer, it, steps, z["classes"], dev, embedding=table)
 
-        epoch(STEPS)  # warm-up: allocator, Adam's state, the table's first rows
-        syncs = (count_syncs(lambda: epoch(2 * STEPS)) - count_syncs(lambda: epoch(STEPS))) / STEPS
-        loss = epoch(2 * STEPS)["loss"]
+        row = batches.per_step(epoch, STEPS)
     moved = int((table.store.step_count > 0).sum())
-    return dict(host_syncs_per_step=syncs if dev.type == "cuda" else None, step_s=seconds[2 * STEPS] / (2 * STEPS),
-                loss=loss, rows_updated=moved, met=bool(np.isfinite(loss) and moved > 0
-                                                        and (dev.type != "cuda" or syncs <= 1)))
+    return dict(row, rows_updated=moved, met=bool(np.isfinite(row["loss"]) and moved > 0 and (
+        dev.type != "cuda" or row["host_syncs_per_step"] <= 1)))
 
 
 def placed_row(dev: torch.device, z: dict) -> dict:
     """Host syncs and time per ``train_epoch`` step fed by the ``Prefetcher`` with features on the device
-    (``--feature-placement device``, then ``uva`` with half the table cached): per step only ids cross, and
-    nothing may read back."""
-    import time
-
+    (``--feature-placement device``, then ``uva`` with half the table cached): none may read back."""
     from bench.gpu import batches
     from gnnray.train.feature_reader import LocalRows
     from gnnray.train.placement import place
     from gnnray.train.prefetch import Prefetcher
-    from gnnray.train.step import train_epoch
 
     rows, feat = batches.synthetic_rows(np.random.default_rng(4), 2 * STEPS, z["batch"], z["fanouts"], z["classes"],
-                                    z["in_feats"])
+                                        z["in_feats"])
     indptr = np.arange(feat.shape[0] + 1)  # in-degree 1 everywhere: the cache takes the lowest ids
     out = {}
     for mode in ("device", "uva"):
@@ -126,20 +65,12 @@ def placed_row(dev: torch.device, z: dict) -> dict:
         torch.manual_seed(0)
         model = batches.build("sage", z).to(dev)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        seconds = {}
 
         def epoch(steps: int) -> dict:
-            with Prefetcher(rows[:steps], feat, dev, depth=2, placed=placed) as prepared:
-                t = time.perf_counter()
-                result = train_epoch(model, optimizer, prepared, steps, z["classes"], dev)
-                seconds[steps] = time.perf_counter() - t
-                return result
+            with Prefetcher(rows[:steps], feat, dev, depth=2, placed=placed) as it:
+                return batches.timed_epoch(model, optimizer, it, steps, z["classes"], dev)
 
-        epoch(STEPS)  # warm-up
-        syncs = (count_syncs(lambda: epoch(2 * STEPS)) - count_syncs(lambda: epoch(STEPS))) / STEPS
-        loss = epoch(2 * STEPS)["loss"]
-        out[mode] = dict(host_syncs_per_step=syncs if dev.type == "cuda" else None,
-                         step_s=seconds[2 * STEPS] / (2 * STEPS), loss=loss, rows_on_device=placed.resident_rows)
+        out[mode] = dict(batches.per_step(epoch, STEPS), rows_on_device=placed.resident_rows)
     ok = [r for r in out.values() if "error" not in r]
     return dict(out, met=bool(ok) and all(np.isfinite(r["loss"]) and (dev.type != "cuda" or r["host_syncs_per_step"]
                                                                       == 0) for r in ok))

@@ -7,9 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from bench.common import Row
-from bench.sharding.cluster import SimulatedCluster
-from bench.sharding.settings import FIGURE, MIB, ShardSettings
+from bench.harness import Row
+from bench.sharding.cluster import FIGURE, MIB, ShardSettings, SimulatedCluster
 
 
 # Run in a child process (its own peak RSS): publish with --feature-shards and report the driver's memory.

@@ -8,9 +8,8 @@ import time
 
 import numpy as np
 
-from bench.common import Row
-from bench.sharding.cluster import SimulatedCluster, bytes_on, publish
-from bench.sharding.settings import FIGURE, MIB, ShardSettings
+from bench.harness import Row
+from bench.sharding.cluster import FIGURE, MIB, ShardSettings, SimulatedCluster, bytes_on, publish
 
 
 class GatherProbe:

@@ -8,8 +8,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import Row, Settings, epochs_of, job_config, metrics_log
-from bench.sharding.settings import FIGURE, MIB, ShardSettings
+from bench.harness import Row
+from bench.settings import Settings, epochs_of, job_config, metrics_log
+from bench.sharding.cluster import FIGURE, MIB, ShardSettings
 
 
 def bench_cluster_training(ss: ShardSettings, data, workdir: Path, out: dict) -> list[Row]:
@@ -45,40 +46,10 @@ def bench_cluster_training(ss: ShardSettings, data, workdir: Path, out: dict) ->
                             first_epoch_loss=loss0))]
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU-seconds (user + system, all threads) of ``root`` and every live process descended from it.
-
-    The simulated cluster's daemons and workers descend from the process that
-    started it, so this is the job's CPU alone; ``/proc/stat`` would add every
-    other process on a shared machine (other engineers' test clusters here).
-    """
-    kids: dict = {}
-    cpu: dict = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        kids.setdefault(int(stat[1]), []).append(int(pid))
-        cpu[int(pid)] = (int(stat[11]) + int(stat[12])) / _TICK
-    total, stack = 0.0, [root]
-    while stack:
-        pid = stack.pop()
-        total += cpu.get(pid, 0.0)
-        stack.extend(kids.get(pid, ()))
-    return total
-
-
 def bench_cluster_cpu(ss: ShardSettings, data, workdir: Path, out: dict) -> list[Row]:
     """CPU-seconds of the job's processes per steady epoch (epochs 2.., each window one epoch line to the
     next), K = max(shards) against K = 1, alternating; the whole machine's busy CPU beside it (polluted)."""
-    from bench.cpu import machine_busy_s, on_new_lines
+    from bench.cpu import machine_busy_s, on_new_lines, tree_cpu_s
     from gnnray.driver.fit import run
 
     k = max(ss.shards)

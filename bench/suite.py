@@ -1,23 +1,21 @@
-"""The command line: settings, one Ray cluster, each figure guarded, then the table and the JSON."""
+"""``python -m bench`` (``bench/benchmark.py``): the stages on one Ray cluster, each guarded; the table, the JSON."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import bench
 from bench import gpu, memory, sharding, wall
-from bench.common import DEFAULT_DATASET, DEFAULT_JSON, Row, Settings, error_row, format_table, machine, start_ray
-from bench.graphs import base_data_config, quick_data_config
-from bench.sampler import ONE_ACTOR, TARGET, bench_sampler
+from bench.actors import ONE_ACTOR, TARGET, bench_sampler
+from bench.harness import DEFAULT_DATASET, RESULTS, Row, error_row, guarded, machine, report
+from bench.settings import Settings, base_data_config, quick_data_config, start_ray
 from bench.training import bench_fast_trainer
 from gnnray.config import SamplerConfig
 from gnnray.data.load import load_graph
@@ -25,7 +23,6 @@ from gnnray.errors import ConfigError
 from gnnray.store.handle import publish
 from gnnray.driver.console import graph_line
 
-# The issue's order; the sharding section (--sharding) runs alone.
 STAGES = ("sampler", "fast", "memory", "gpu", "wall")
 ORDER = ("data-wait", "sampler", "training", wall.FIGURE, "memory", "GPU", sharding.FIGURE, "setup", "")
 
@@ -34,7 +31,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="bench/benchmark.py", description=bench.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer batches and epochs, short epochs")
-    p.add_argument("--json", default=str(DEFAULT_JSON), help="where to write all results")
+    p.add_argument("--json", default=str(RESULTS / 'benchmark.json'), help="where to write all results")
     p.add_argument("--dataset", default=None,
                    help=f"graph directory, or 'synthetic' (when not given: {DEFAULT_DATASET} if present, else "
                    "synthetic)")
@@ -49,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--sharding", action="store_true",
                    help="run only the --feature-shards section, on a simulated cluster of 4 nodes (bench/sharding/), "
                    "instead of the figures above; --json then defaults to "
-                   f"{DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME}")
+                   f"{RESULTS / sharding.DEFAULT_JSON_NAME}")
     p.add_argument("--stages", default=",".join(STAGES),
                    help="comma-separated stages to run, of " + ", ".join(STAGES))
     p.add_argument("--wall-repeats", type=int, default=Settings.wall_repeats,
@@ -68,8 +65,8 @@ def parse_args(argv=None):
         p.error("--wall-repeats must be at least 1")
     if args.stages - set(STAGES):
         p.error(f"--stages: unknown {', '.join(sorted(args.stages - set(STAGES)))}; choose from {', '.join(STAGES)}")
-    if args.sharding and args.json == str(DEFAULT_JSON):
-        args.json = str(DEFAULT_JSON.parent / sharding.DEFAULT_JSON_NAME)
+    if args.sharding and args.json == str(RESULTS / 'benchmark.json'):
+        args.json = str(RESULTS / sharding.DEFAULT_JSON_NAME)
     return args
 
 
@@ -84,18 +81,6 @@ def settings_for(args) -> Settings:
         s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
                                 memory_batches=2, fast_epochs=3, wall_epochs=(1, 3))
     return s
-
-
-def guarded(figure: str, target: str, fn: Callable[[], list]) -> list[Row]:
-    """Run one stage; its rows get the stage's wall time and the machine's load around it (noise)."""
-    load, start = os.getloadavg()[0], time.perf_counter()
-    try:
-        rows = fn()
-    except Exception as exc:  # noqa: BLE001 - a failing stage must not hide the others
-        rows = [error_row(figure, target, exc)]
-    for r in rows:
-        r.detail.update(stage_s=time.perf_counter() - start, load_avg_1min=(load, os.getloadavg()[0]))
-    return rows
 
 
 def run_figures(args, s: Settings, workdir: Path, result: dict, rows: list[Row]) -> None:
@@ -153,13 +138,9 @@ def main(argv=None) -> int:
 
     rows.sort(key=lambda r: next(i for i, key in enumerate(ORDER) if r.figure.startswith(key)))  # stable
     took = time.perf_counter() - started
-    result.update(rows=[dataclasses.asdict(r) for r in rows], wall_s=took, load_avg_end=os.getloadavg())
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"\n{result['mode']} mode, {date}, {s.cores} cores, load average {os.getloadavg()[0]:.1f}, "
-          f"{took:.0f} s; all numbers in {out}\n")
-    print(format_table(rows), flush=True)
+    note = (f"\n{result['mode']} mode, {date}, {s.cores} cores, load average {os.getloadavg()[0]:.1f}, {took:.0f} s; "
+            f"all numbers in {args.json}\n")
+    report(rows, args.json, note, wall_s=took, **result)
     steady = next((r.detail["all"] for r in rows if "all" in r.detail), {})
     if steady:
         print("\nWhere the CPU goes (bench/cpu.py):\n" + wall.process_table(steady), flush=True)

@@ -1,95 +1,45 @@
 """Train workers beside their shards: remote rows per batch with and without, and what each node's store holds.
 
-Run with ``.venv/bin/python -m bench.placement [--quick] [--json out.json]``.
-
-``--host-memory [--table-mib 1024] [--workers 2]`` measures instead what placing
-features costs a train worker's host memory (:func:`host_memory`).
-
-A simulated cluster (``ray.cluster_utils.Cluster``, loopback between the
-stores): a head of 4 CPUs, where the driver runs, and 3 nodes of 2 CPUs and
-a 300 MiB store each. The job: a synthetic structure of 100,000 nodes
-(average in-degree 10, reverse edges) as a graph directory with its training
-split cut to 8 batches of 1024, 128 random float32 features generated on the
-shard nodes, ``--feature-shards 3``, 2 train workers of 1 CPU, 1 sampler
-actor, fanouts 10,10,10, 1 epoch.
-
-For ``--feature-cache`` 0 and 0.1 it runs ``fit.run`` twice: as the job
-places its workers (``plans.beside_shards``: each on its own shard node) and
-as Ray Train places them alone (``beside_shards`` patched to place nothing).
-Per run: each train worker's node, rank 0's remote share of rows and remote
-bytes per batch, the cache hit rate (the epoch's metrics line), and after
-the run, per node, the bytes of the job's objects held there (structure,
-shard, cache: ``ray.experimental.get_object_locations``) beside the
-raylet's own ``object_store_bytes_used``.
+``python -m bench.beside_shards [--quick]``: on a simulated cluster (a head of 4 CPUs, 3 nodes of 2 CPUs and
+300 MiB stores), the sharding section's graph cut to 8 training batches, ``--feature-shards 3``, 2 train
+workers, fanouts 10,10,10, 1 epoch; for ``--feature-cache`` 0 and 0.1, ``fit.run`` as the job places its workers
+(``plans.beside_shards``) against as Ray Train places them alone: each worker's node, rank 0's remote share and
+bytes per batch, the cache hit rate, and each node's bytes of the job's objects. ``--host-memory``: what placing
+features costs a train worker's host memory, before and now (:func:`host_memory`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
+from bench.harness import write_json
+
 MIB = 2**20
 
 
-def _cluster(store_mib: int):
-    import ray
-    import ray.data
-    from ray.cluster_utils import Cluster
-
-    from bench.sharding.cluster import free_port
-    from gnnray.driver.console import quiet_ray
-
-    port = free_port()
-    os.environ["RAY_ADDRESS"] = f"{ray.util.get_node_ip_address()}:{port}"  # Ray Train's cleaner finds this one
-    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=4, gcs_server_port=port,
-                                                                object_store_memory=store_mib * MIB))
-    for _ in range(3):
-        cluster.add_node(num_cpus=2, object_store_memory=store_mib * MIB)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False, logging_config=ray.LoggingConfig(log_level="WARNING"))
-    os.environ["RAY_ADDRESS"] = cluster.address
-    quiet_ray(False)
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    return cluster
-
-
-def _store_layout(handle, head: str) -> dict:
+def _store_layout(cl, handle) -> dict:
     """Per node: bytes of the job's objects there, and the raylet's ``object_store_bytes_used``."""
-    from types import SimpleNamespace
-
-    import ray
-
     from bench.sharding.cluster import bytes_on
 
-    # bytes_on reads only the node list of bench.sharding's SimulatedCluster.
-    held = bytes_on(SimpleNamespace(nodes=[n["NodeID"] for n in ray.nodes() if n.get("Alive")]), handle)
-    try:
-        from ray._private.internal_api import node_stats
-
-        used = {n["NodeID"]: int(node_stats(n["NodeManagerAddress"], n["NodeManagerPort"],
-                                            include_memory_info=False).store_stats.object_store_bytes_used)
-                for n in ray.nodes() if n.get("Alive")}
-    except Exception:  # noqa: BLE001 - a private API; the locations are the figure
-        used = {}
-    shards = {s.node_id: i for i, s in enumerate(handle.features.shards)}
-    return {("head" if n == head else f"shard {shards[n]}" if n in shards else n[:8]):
+    used, shards = cl.raylet_used(), {s.node_id: i for i, s in enumerate(handle.features.shards)}
+    return {("head" if n == cl.head else f"shard {shards[n]}" if n in shards else n[:8]):
             dict(objects=parts, total=sum(parts.values()), raylet_used=used.get(n))
-            for n, parts in held.items()}
+            for n, parts in bytes_on(cl, handle).items()}
 
 
-def run_one(data, cache: float, beside: bool, workdir: Path, hidden: int) -> dict:
+def run_one(cl, data, cache: float, beside: bool, workdir: Path, hidden: int) -> dict:
     import ray
-    from ray._private.state import actors as actor_table
 
     import gnnray.driver.fit as fit
-    from bench.common import Settings, job_config
+    from bench.settings import Settings, job_config
     from gnnray.driver import launch, plans
+    from gnnray.ray_internals import actor_table
 
     published = []
     original_publish, original_beside = launch.load_and_publish, plans.beside_shards
@@ -117,7 +67,7 @@ def run_one(data, cache: float, beside: bool, workdir: Path, hidden: int) -> dic
                                 for w in workers],
                   remote_row_share=m.get("remote_row_share"), cache_hit_rate=m.get("cache_hit_rate"),
                   remote_mib_per_batch=m.get("remote_bytes_per_batch", 0) / MIB,
-                  store=_store_layout(handle, head),
+                  store=_store_layout(cl, handle),
                   expected=dict(structure=handle.nbytes, shard=handle.features.shard_bytes,
                                 cache=handle.features.cache_bytes))
     published.clear()
@@ -189,24 +139,23 @@ def main(argv=None) -> int:
     if args.host_memory:
         result = host_memory(args.table_mib, args.workers)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(args.json, result)
         return 0
 
-    from bench.sharding import ShardSettings, graph_dir
+    from bench.sharding.cluster import ShardSettings, SimulatedCluster, graph_dir
 
-    ss = dataclasses.replace(ShardSettings(quick=args.quick), train_batches=8)
+    ss = ShardSettings(quick=args.quick, train_batches=8, head_cpus=4, node_cpus=2)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        cluster = _cluster(ss.store_mib)
+        cl = SimulatedCluster(ss, verbose=False)
         try:
             data, info = graph_dir(ss, workdir)
             print(f"graph: {info['nodes']:,} nodes, {info['edges']:,} edges ({info['index_dtype']}), "
                   f"{info['feature_mib']:.1f} MiB of features", flush=True)
             for cache in ((0.1,) if args.quick else (0.0, 0.1)):
                 for beside in (True, False):
-                    r = run_one(data, cache, beside, workdir, hidden=64)
+                    r = run_one(cl, data, cache, beside, workdir, hidden=64)
                     results.append(r)
                     print(f"cache {cache}, {'beside shards' if beside else 'Ray Train alone'}: workers on "
                           f"{r['worker_nodes']}, rank 0 remote share {r['remote_row_share']:.1%} "
@@ -218,14 +167,9 @@ def main(argv=None) -> int:
                         print(f"    {node}: {parts} = {held['total'] / MIB:.2f} MiB (raylet: "
                               f"{'?' if used is None else f'{used / MIB:.2f}'} MiB)", flush=True)
         finally:
-            import ray
-
-            ray.shutdown()
-            cluster.shutdown()
-            os.environ.pop("RAY_ADDRESS", None)
+            cl.close()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(graph=info, load_avg=os.getloadavg(), results=results), f, indent=1)
+        write_json(args.json, dict(graph=info, load_avg=os.getloadavg(), results=results))
     return 0
 
 

@@ -1,48 +1,28 @@
-"""8. Layer-wise inference's hidden tables: each node's store peak, sharded (K = 3) against unsharded (K = 1).
+"""Layer-wise inference's hidden tables: each node's store peak, sharded (K = 3) against unsharded (K = 1).
 
-Run alone with ``python -m bench.sharding.layerwise [--quick] [--json PATH]`` (its own simulated cluster), or as
-part of ``python -m bench --sharding``.
-
-The section's graph, ``feat_dim`` random features, and GraphSAGE
-``infer_layers`` x ``infer_hidden`` with random weights (the predictions of the
-runs are compared, not judged), on two simulated clusters of a head and 3
-nodes: stores of ``store_mib`` (room for K = 1's whole tables) and of
-``infer_store_mib`` (room for K = 3's ranges, not for whole tables). On each,
-three ranks, one pinned on each of the 3 nodes, form a gloo group and call
-``train.layerwise.infer`` as train workers do after the last epoch,
-``infer_chunk`` nodes per chunk:
-
-- K = 3: the ranks sit beside their shards; the shard servers hold the hidden
-  tables, a node range each (``gnnray.train.layerwise_hidden``);
-- K = 1: the same ranks on the same nodes; each rank puts its slice of a table
-  in its store and reads the others' through it, so every node holds every
-  table whole.
-
-Once the ranks have attached the graph (structure, cache or table pulled to
-their nodes), a thread reads every node's store stats from its raylet every
-``poll_s`` until the ranks return; each figure is the largest reading less the
-one before the run: the primary copies (what the store must keep: the tables,
-and rows on their way), all objects (also the rows freed in the last second:
-the raylet deletes freed objects in batches, and evicts them sooner when it
-needs room), and the bytes spilled to disk or allocated outside the store.
-Beside them, for K = 3, each server's own count of the hidden rows it held at
-most, and the formulas: its range of two tables, 2 x table / K
-(``store.shards.hidden_nbytes``), against (layers - 1) x table for K = 1.
+``python -m bench.sharding.hidden_tables [--quick] [--stores]`` (its own simulated clusters; also a stage of
+``python -m bench --sharding``): the section's graph and GraphSAGE ``infer_layers`` x ``infer_hidden`` with
+random weights, on clusters of a head and 3 nodes with stores of ``store_mib`` (room for K = 1's whole tables)
+and ``infer_store_mib`` (room for K = 3's ranges only). Three ranks, one pinned on each node, form a gloo group
+and call ``train.layerwise.infer`` as train workers do: with K = 3 the shard servers hold the tables, a node
+range each; with K = 1 every node holds every table whole. A thread reads every node's store stats every
+``poll_s`` while they run: each figure is the largest reading less the one before (primary copies, all
+objects, spilled or outside the store), beside the formula 2 x table / K and the predictions of both.
+``--stores``: each node's whole store use (its metrics endpoint), layer-wise against sampled evaluation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import socket
 import threading
 import time
 
 import numpy as np
 
-from bench.common import Row
-from bench.sharding.cluster import SimulatedCluster, publish
-from bench.sharding.settings import FIGURE, MIB, ShardSettings
+from bench.harness import Row
+from bench.harness import free_port
+from bench.sharding.cluster import FIGURE, MIB, ShardSettings, SimulatedCluster, publish
 
 # What each node's raylet says of its store: every object there (freed ones not yet deleted included), the
 # primary copies it must keep, and what did not fit.
@@ -88,12 +68,6 @@ class Rank:
         return [], np.asarray(acc), time.perf_counter() - start
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def metrics_store_bytes(cl: SimulatedCluster, *fields: str) -> dict:
     """``{node_id: {METRICS: bytes}}``: each node's ``ray_object_store_memory`` over ``MMAP_SHM`` and ``MMAP_DISK``,
     from its metrics endpoint (every object in its store: primary copies and copies fetched from other nodes)."""
@@ -130,7 +104,7 @@ def run_ranks(cl: SimulatedCluster, handle, model, nodes: list, num_nodes: int, 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     read = read or SimulatedCluster.store_stats
-    port = _free_port()
+    port = free_port()
     ranks = [ray.remote(Rank).options(num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
         n, soft=False)).remote(handle, r, len(nodes), port) for r, n in enumerate(nodes)]
     try:
@@ -347,11 +321,10 @@ def main(argv=None) -> int:
     import tempfile
     from pathlib import Path
 
-    from bench.common import format_table
-    from bench.sharding.cluster import graph_dir
-    from bench.sharding.settings import settings
+    from bench.harness import format_table
+    from bench.sharding.cluster import graph_dir, settings
 
-    p = argparse.ArgumentParser(prog="python -m bench.sharding.layerwise", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.sharding.hidden_tables", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the section's --quick settings")
     p.add_argument("--json", default="", help="where to write the figures")
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")

@@ -9,8 +9,8 @@ from typing import Optional
 
 import numpy as np
 
-from bench.common import Row, error_row
-from bench.sharding.settings import FIGURE, ShardSettings
+from bench.harness import Row, error_row
+from bench.sharding.cluster import FIGURE, ShardSettings
 
 
 def upper_bound(batch_size: int, fanouts: tuple) -> int:
@@ -83,7 +83,7 @@ def bench_extrapolation(ss: ShardSettings) -> list[Row]:
     batch's reach: the small batch keeps that ratio, so its input nodes per
     seed and hit rates are the ones to scale (docs/scaling.md#what-a-batch-reaches).
     """
-    from bench.common import DEFAULT_DATASET
+    from bench.harness import DEFAULT_DATASET
     from gnnray.config import DataConfig
     from gnnray.data.load import load_structure
 

@@ -1,16 +1,28 @@
-"""What figure 2 times: the plain sampling loop, and the real pipeline with per-call stamps from the actors."""
+"""The ``sampler`` stage: one sampler actor's batches/s in the job's stream against the same sampling in a plain loop.
+
+Baselines, interleaved with the pipeline in rounds: the plain loop on one thread in the driver, and the same
+loop in a Ray worker process (where the actor samples too: the ratio is what the pipeline adds); each
+pipeline against the mean of the loops just before and after it, the median over rounds. Also 2 actors against
+1, beside 2 plain loops in 2 processes against 1 (what the hardware allows).
+"""
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 
 import numpy as np
 
 from bench import cpu
-from bench.common import REPO, Settings, job_config, threads
+from bench.harness import REPO, Row, error_row, threads, verdict
+from bench.settings import Settings, job_config
 from gnnray.data.graph import Graph
+
+TARGET = ">= 0.9x"
+SCALING_TARGET = ">= 0.9x of plain scaling"
+ONE_ACTOR = "sampler actor batches/s (k=1)"
 
 
 def same_seed_batches(train_idx: np.ndarray, s: Settings, rows: int) -> tuple[list, int]:
@@ -23,11 +35,8 @@ def same_seed_batches(train_idx: np.ndarray, s: Settings, rows: int) -> tuple[li
 
 
 def plain_sampling(graph: Graph, fanouts: tuple, batches: list, warmup: int, barrier=None) -> dict:
-    """Sample ``batches`` with ``Sampler`` in a plain loop on one thread; steady batches/s and CPU ms per batch.
-
-    With ``barrier`` (a :class:`Barrier` actor), the timed part starts when
-    every process has warmed up, so that they run at once.
-    """
+    """Sample ``batches`` in a plain loop on one thread: batches/s and CPU ms a batch after ``warmup``; with
+    ``barrier`` (a :class:`Barrier` actor) the timed part starts once every process has warmed up."""
     from gnnray.sampler.sampler import Sampler
 
     with threads(1):
@@ -67,19 +76,8 @@ def plain_sampling_task(handle, fanouts: tuple, batches: list, warmup: int, barr
 
 
 class StampedSamplerActor:
-    """``SamplerActor`` plus one column: when the actor started and finished each call, and its CPU time.
-
-    A consumer's arrival times over a run of a few seconds mostly show how
-    fast it drains rows buffered while it started; the actors' own
-    timestamps give their steady rate, the time inside the call (sampling +
-    packing) against the time between calls shows what Ray Data's per-call
-    work and waiting cost, and the actor process's CPU time (all its threads,
-    so Ray's too) is the cost that does not depend on how busy the machine
-    is. Each row carries its call's stamps (start, finish, pid, CPU seconds at
-    the finish, rows in the call): five float64 a row. Built with
-    ``SamplerActor``'s arguments, by the job's own :func:`minibatch_stream`
-    (see :func:`stamped_stream`).
-    """
+    """``SamplerActor`` plus a column of its call's stamps (start, finish, pid, CPU seconds at the finish, rows):
+    the actors' own times give their steady rate, in-call against between-call time, and CPU per row."""
 
     def __init__(self, graph, fanouts, plan, run: str = "gnnray", cpu=None):
         from gnnray.sampler.sampler import SamplerActor
@@ -103,11 +101,8 @@ def stamped_stream(cfg, handle, plan):
 
 
 def call_stats(stamps: np.ndarray, warmup: int, actors: int) -> dict:
-    """Steady rates from per-row call stamps, leaving out the calls that hold the first ``warmup`` rows.
-
-    Returns rows/s of all actors, ms per row inside calls, and CPU ms per row
-    of the actor processes.
-    """
+    """Rows/s of all actors, ms a row inside calls and CPU ms a row, from the call stamps after the calls that
+    hold the first ``warmup`` rows."""
     calls = np.unique(stamps, axis=0)  # one line per call: start, finish, pid, cpu, rows
     calls = calls[np.argsort(calls[:, 1])]
     first = int(np.searchsorted(np.cumsum(calls[:, 4]), warmup))  # the call that holds row ``warmup``
@@ -127,22 +122,9 @@ def call_stats(stamps: np.ndarray, warmup: int, actors: int) -> dict:
 
 
 def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int) -> dict:
-    """``k`` stamped sampler actors in the job's Ray Data stream, read as a train worker reads it.
-
-    The stream is the job's (:func:`stamped_stream`: its seed blocks, actor
-    pool of ``k`` with ``num_cpus=1``, and ``--max-ahead`` bound for one train
-    worker), cut to its first ``k * sampler_batches`` rows; it is consumed as
-    a train worker consumes it, in whole blocks without block prefetch (so
-    the bound counts as in the job), rows sliced out with ``from_arrow`` and
-    each unpacked with ``MiniBatch.unpack``. The rate is the actors' steady
-    rate after the calls that hold the first ``k * sampler_warmup`` rows (so
-    start-up is excluded), from the times the actors finished each call; it
-    includes sampling, packing and Ray Data's work in the actor (batch
-    conversion, the object store put). The consumer must keep up for that
-    rate to be the pipeline's: its unpack time and how far it lags the actors
-    at the end are recorded, and so are the cores each group of processes used (:mod:`bench.cpu`) from the
-    warm-up's end until the stream ends: where the machine's CPU goes beside the actors.
-    """
+    """``k`` stamped sampler actors in the job's own stream (its read-ahead bound for one worker), consumed as a
+    train worker consumes it (whole blocks, no prefetch, each row unpacked); the actors' steady rate after the
+    first ``k * sampler_warmup`` rows, the consumer's unpack time and lag, and the cores each process group used."""
     import dataclasses
 
     from gnnray.batch import MiniBatch, from_arrow
@@ -180,3 +162,70 @@ def pipeline_rate(handle, seed_ids: np.ndarray, s: Settings, k: int, epochs: int
                 first_batch_done_s=float(stamps[:, 1].min() - start),
                 consumer_lag_end_s=arrived[-1] - float(stamps[:, 1].max()), unpack_ms=1000 * unpack_s / len(stamps),
                 cores_by_process=cores)
+
+
+def bench_sampler(graph: Graph, handle, seed_ids: np.ndarray, s: Settings) -> list[Row]:
+    batches, epochs = same_seed_batches(seed_ids, s, 2 * s.sampler_batches)
+    batches = batches[:s.sampler_batches]
+
+    def plain_loop() -> dict:
+        r = plain_sampling(graph, s.fanouts, batches, s.sampler_warmup)
+        print(f"[2] plain loop, 1 thread: {r['batches_per_s']:.1f} batches/s, {r['cpu_ms']:.0f} ms of CPU", flush=True)
+        return r
+
+    def pipeline(k: int) -> dict:
+        m = pipeline_rate(handle, seed_ids, s, k, epochs)
+        print(f"[2] pipeline k={k}: {m['total_batches_per_s']:.1f} batches/s total, {m['per_actor_batches_per_s']:.1f} "
+              f"per actor; in the actor {m['in_call_ms']:.1f} ms/batch in calls, {m['between_calls_ms']:.1f} ms "
+              f"between, {m['cpu_ms']:.0f} ms of CPU; consumer {m['consumer_lag_end_s']:.2f} s behind at the end; "
+              f"cores used: {m['cores_by_process']}", flush=True)
+        return m
+
+    rows = []
+    plain, in_worker, ones = [plain_loop()], [plain_processes(handle, batches, s, 1)[0]], []
+    try:
+        for _ in range(s.sampler_rounds):
+            ones.append(pipeline(1))
+            plain.append(plain_loop())
+            in_worker.append(plain_processes(handle, batches, s, 1)[0])
+    except Exception as exc:  # noqa: BLE001 - recorded in the table
+        rows.append(error_row(ONE_ACTOR, TARGET, exc))
+    rate, cpu_ms = ("per_actor_batches_per_s", "batches_per_s", "b/s"), ("cpu_ms", "cpu_ms", "ms")
+    for figure, plains, (ours_key, base_key, unit) in ((ONE_ACTOR, plain, rate),
+                                                       ("sampler CPU ms/batch (k=1)", plain, cpu_ms),
+                                                       ("sampler k=1 vs plain loop in a Ray worker", in_worker, rate)):
+        if not ones:
+            break
+        got = []  # each pipeline against the mean of the plain loops just before and after it; > 1 is faster
+        for i, m in enumerate(ones):
+            base = statistics.mean(p[base_key] for p in plains[i:i + 2])
+            got.append(m[ours_key] / base if unit == "b/s" else base / m[ours_key])
+        ratio = statistics.median(got)
+        rows.append(Row(figure, ours=f"{statistics.median(m[ours_key] for m in ones):.1f} {unit}",
+                        baseline=f"{statistics.median(p[base_key] for p in plains):.1f} {unit}",
+                        ratio=f"{ratio:.2f}x", target=TARGET, met=verdict(ratio >= 0.9),
+                        detail=dict(baselines=plains, pipelines=ones, ratios=got)))
+    try:
+        two, two_plain = pipeline(2), plain_processes(handle, batches, s, 2)
+        hw = sum(r["batches_per_s"] for r in two_plain) / statistics.median(r["batches_per_s"] for r in in_worker)
+        one = statistics.median(m["total_batches_per_s"] for m in ones)
+        scaling = two["total_batches_per_s"] / one
+        rows.append(Row("sampler batches/s, 2 actors vs 1", ours=f"{scaling:.2f}x ({two['total_batches_per_s']:.1f} "
+                        "b/s)", baseline=f"{hw:.2f}x (plain loops)", ratio=f"{scaling / hw:.2f}x",
+                        target=SCALING_TARGET, met=verdict(scaling >= 0.9 * hw),
+                        detail=dict(pipeline=two, plain_scaling=hw, one_actor_batches_per_s=one)))
+    except Exception as exc:  # noqa: BLE001 - recorded in the table
+        rows.append(error_row("sampler batches/s, 2 actors vs 1", SCALING_TARGET, exc))
+    return rows
+
+
+def plain_processes(handle, batches: list, s: Settings, n: int) -> list[dict]:
+    """``n`` plain loops at once, each in a Ray worker process over the node-shared graph."""
+    import ray
+
+    task = ray.remote(num_cpus=1)(plain_sampling_task)
+    barrier = ray.remote(num_cpus=0)(Barrier).remote(n)
+    loops = ray.get([task.remote(handle, s.fanouts, batches, s.sampler_warmup, barrier) for _ in range(n)])
+    print(f"[2] {n} plain loop(s) in Ray worker processes at once: "
+          f"{sum(r['batches_per_s'] for r in loops):.1f} batches/s in total", flush=True)
+    return loops
