@@ -144,7 +144,19 @@ def prepare(model, state: Optional[dict], cfg: JobConfig, capturable: bool = Fal
                                  capturable=capturable)
     if state:  # after prepare_model: load_state_dict moves the state to the parameters' device
         optimizer.load_state_dict(state["optimizer"])
+        capture_where(optimizer, capturable)  # the checkpoint's groups say how the run that wrote it stepped
     return model, optimizer
+
+
+def capture_where(optimizer, capturable: bool) -> None:
+    """Make Adam capturable (its step counts on the parameters' device) or not (on the host), whatever the
+    checkpoint it was loaded from: a run resumed on CPUs from a captured GPU run's checkpoint, or the reverse."""
+    for group in optimizer.param_groups:
+        group["capturable"] = capturable
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            if "step" in st:
+                st["step"] = st["step"].to(torch.float32).to(p.device if capturable else "cpu")
 
 
 class Rank:

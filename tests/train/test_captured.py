@@ -104,3 +104,24 @@ def test_a_captured_epoch_trains_as_the_eager_one(name):
         assert b["train_acc"] == pytest.approx(a["train_acc"], abs=1e-9)
     for k in w_eager:
         torch.testing.assert_close(w_capt[k], w_eager[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_captured_runs_checkpoint_resumes_on_a_cpu():
+    """A checkpoint's Adam groups say capturable when a captured GPU run wrote it; a CPU run must step anyway."""
+    from gnnray.train.loop import capture_where
+
+    graph, (mb, *_) = _batches(1)
+    model = build_model(graph.feat_dim, graph.num_classes, len(FANOUTS), 8, 0.0, name="sage")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.nn.functional.cross_entropy(model(mb.layers, mb.x), mb.labels).backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    for group in saved["param_groups"]:
+        group["capturable"] = True  # as a captured run's optimizer saves it
+    resumed = torch.optim.Adam(model.parameters(), lr=0.01)
+    resumed.load_state_dict(saved)
+    assert all(g["capturable"] for g in resumed.param_groups)
+    capture_where(resumed, False)
+    resumed.step()  # with capturable groups on CPU parameters torch refuses to step
+    assert not any(g["capturable"] for g in resumed.param_groups)
+    assert all(float(s["step"]) == 2.0 for s in resumed.state.values())
