@@ -23,7 +23,7 @@ nproc | tee -a "$log"
 
 step CUDA tests
 timeout ${TESTS_S:-120} $py -m pytest -q -p no:cacheprovider -x tests/train/test_placement.py \
-  tests/train/test_prefetch.py tests/train/test_step.py tests/train/test_process_group.py \
+  tests/train/test_prefetch.py tests/train/test_step.py tests/train/test_captured.py tests/train/test_process_group.py \
   "tests/train/test_device_sampler.py::test_device_batches_follow_the_seed_plan_with_their_features" \
   > "$out/tests.txt" 2>&1
 tail -4 "$out/tests.txt" | tee -a "$log"

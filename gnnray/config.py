@@ -233,6 +233,9 @@ class TrainConfig(_Options):
     cpu_plan: str = option("on", "threads, cores and priority of the job's processes from each node's real "
                            "cores (gnnray/cpus.py; printed at start); off leaves Ray's defaults (threads from "
                            "--cpus-per-worker)", choices=("on", "off"))
+    capture_step: str = option("auto", "auto: a lone GPU rank replays each training step as one CUDA graph, its "
+                               "batches padded to sizes measured on the first 20 (not with --embedding-dim or a "
+                               "model with batch norm); off: every step eager", choices=("auto", "off"))
     trainer_threads: int = option(0, "torch threads per train worker, overriding the CPU plan's (0: from "
                                   "the plan)", **at_least(0))
 

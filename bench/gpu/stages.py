@@ -9,7 +9,8 @@ batches of 1024), per batch, median over ``--batches`` batches after a warm-up:
 - ``features device``: ``index_select`` from the table on the device (``device``);
 - ``features uva``: the GPU reading rows from the table's read-only pages registered in place, without a
   cache and with the hottest quarter cached (``uva``); every row checked against the host gather;
-- ``compute``: model + loss + Adam over the same batches already on the device (the ceiling).
+- ``compute``: model + loss + Adam over the same batches already on the device (the ceiling), and the same
+  replayed from a CUDA graph (``compute, captured``: gnnray.train.captured, on a GPU).
 
 Each row also says how many batches a second it supplies. ``--smoke`` runs tiny sizes on the CPU.
 """
@@ -48,18 +49,25 @@ def timed(fn, n: int, sync) -> float:
     return statistics.median(times)
 
 
-def ceiling_s(cfg, graph, on_device: list, dev, passes: int = 3) -> float:
+def ceiling_s(cfg, graph, on_device: list, dev, passes: int = 3, captured: bool = False) -> float:
     """model + loss + Adam over ``on_device`` (batches with their features already on ``dev``): seconds a step,
-    the median of the passes after the first. The ceiling a job's step is measured against."""
+    the median of the passes after the first. The ceiling a job's step is measured against. ``captured``: the
+    steps replayed from a CUDA graph, whose first pass measures the padding and second warms and captures."""
     from gnnray.models.model import model_for
+    from gnnray.train.captured import CapturedStep
     from gnnray.train.step import train_epoch
 
     torch.manual_seed(0)
     model = model_for(graph.feat_dim, graph.num_classes, cfg).to(dev)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
-    times = [train_epoch(model, optimizer, iter(on_device), len(on_device), graph.num_classes, dev)["epoch_time"]
-             / len(on_device) for _ in range(passes)]
-    return statistics.median(times[1:] or times)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, capturable=captured)
+    step = CapturedStep(model, optimizer, dev) if captured else None
+    skip = 2 if captured else 1
+    times = [train_epoch(model, optimizer, iter(on_device), len(on_device), graph.num_classes, dev,
+                         captured=step)["epoch_time"] / len(on_device) for _ in range(passes + skip - 1)]
+    if step:
+        print(f"  captured: padded to {step.buffers.shape if step.buffers else None}; {step.replays} replays, "
+              f"{step.eager} eager steps{'; failed: ' + step.failed if step.failed else ''}", flush=True)
+    return statistics.median(times[skip:] or times)
 
 
 def main(argv=None) -> int:
@@ -127,6 +135,8 @@ def main(argv=None) -> int:
         mb.x = torch.from_numpy(graph.feat[ids])
         on_device.append(mb.to(dev))
     rows["compute (the ceiling)"] = ceiling_s(cfg, graph, on_device, dev)
+    if cuda:  # the same steps replayed from one CUDA graph (gnnray.train.captured)
+        rows["compute, captured"] = ceiling_s(cfg, graph, on_device, dev, captured=True)
     print(f"{inputs:,.0f} input nodes a batch, {inputs * graph.feat_dim * 4 / 2**20:.0f} MiB of float32 features")
     out = dict(device=torch.cuda.get_device_name(0) if cuda else "cpu", input_nodes=inputs,
                seconds=dict(rows), rows_equal=checked, cores=os.cpu_count())

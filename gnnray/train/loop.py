@@ -33,7 +33,7 @@ from gnnray.metrics import TrainMetrics
 from gnnray.models.model import model_for
 from gnnray.seeds import SeedPlan, plan_key, rank_rows, steps_per_epoch, streams
 from gnnray.stack import check_here
-from gnnray.train import checkpoint
+from gnnray.train import captured, checkpoint
 from gnnray.train.device_sampler import device_batches
 from gnnray.train.embedding import NodeEmbedding, ShardedEmbedding
 from gnnray.train.evaluate import Evaluator
@@ -84,11 +84,14 @@ def train_loop(config: dict) -> None:
     features = reader_for(graph, setup.graph.features)
     model, embedding = build(setup, graph)
     state = restore(begin.checkpoint, model, embedding)
-    model, optimizer = prepare(model, state, cfg)
+    # A lone GPU rank's step is captured as a CUDA graph; Adam must then keep its step count on the device.
+    why_not = captured.refusal(device, world, model, embedding) if cfg.train.capture_step == "auto" else "off"
+    model, optimizer = prepare(model, state, cfg, capturable=why_not is None)
     if shard is None and streams(cfg):
         shard = ray.train.get_dataset_shard("train")
     me = Rank(setup, rank, world, device, graph, features, model, optimizer, embedding, cpu_used, begin,
               best_val=state["best_val_acc"] if state else 0.0)
+    me.capture(why_not)
     with open_batches(shard, me) as batches:
         for epoch in range(begin.epoch, cfg.train.epochs):
             me.run_epoch(epoch, batches)
@@ -128,7 +131,7 @@ def restore(path: Optional[str], model, embedding) -> Optional[dict]:
     return state
 
 
-def prepare(model, state: Optional[dict], cfg: JobConfig) -> tuple:
+def prepare(model, state: Optional[dict], cfg: JobConfig, capturable: bool = False) -> tuple:
     """Ray Train: the model in DDP on this worker's device, and its optimizer (restored from ``state``).
 
     GPU ranks keep gnnray's SyncBatchNorm too: torch's reads back to the host on every call
@@ -137,10 +140,23 @@ def prepare(model, state: Optional[dict], cfg: JobConfig) -> tuple:
     import ray.train.torch
 
     model = ray.train.torch.prepare_model(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                 capturable=capturable)
     if state:  # after prepare_model: load_state_dict moves the state to the parameters' device
         optimizer.load_state_dict(state["optimizer"])
+        capture_where(optimizer, capturable)  # the checkpoint's groups say how the run that wrote it stepped
     return model, optimizer
+
+
+def capture_where(optimizer, capturable: bool) -> None:
+    """Make Adam capturable (its step counts on the parameters' device) or not (on the host), whatever the
+    checkpoint it was loaded from: a run resumed on CPUs from a captured GPU run's checkpoint, or the reverse."""
+    for group in optimizer.param_groups:
+        group["capturable"] = capturable
+        for p in group["params"]:
+            st = optimizer.state.get(p, {})
+            if "step" in st:
+                st["step"] = st["step"].to(torch.float32).to(p.device if capturable else "cpu")
 
 
 class Rank:
@@ -152,6 +168,7 @@ class Rank:
         self.setup, self.rank, self.world, self.device = setup, rank, world, device
         self.graph, self.features, self.model, self.embedding = graph, features, model, embedding
         self.optimizer, self.cpu_used, self.begin, self.best_val = optimizer, cpu_used, begin, best_val
+        self.captured: Optional[captured.CapturedStep] = None  # set by capture()
         # Steps per epoch are those of the largest group: a fixed run's only one, an elastic run's global batch.
         self.steps = steps_per_epoch(len(graph.train_idx), cfg.sampler.batch_size, cfg.train.workers_max)
         self.evaluator = Evaluator(graph, cfg, rank, world, device, embedding, reader_for(graph, setup.graph.features),
@@ -174,6 +191,12 @@ class Rank:
             where = "actors" if cfg.sampler.sample_on == "actors" else f"worker ({torch.device(device).type})"
             log_event(setup.run_dir, "sampling", where=where, threads=torch.get_num_threads())
 
+    def capture(self, why_not: Optional[str]) -> None:
+        """Replay the step from a CUDA graph unless ``why_not`` says why it cannot be (rank 0 logs which)."""
+        self.captured = captured.CapturedStep(self.model, self.optimizer, self.device) if why_not is None else None
+        if self.rank == 0 and self.setup.run_dir:
+            log_event(self.setup.run_dir, "step", captured=why_not is None, why_not=why_not or "")
+
     def run_epoch(self, epoch: int, batches: Iterator[MiniBatch]) -> None:
         """Train the epoch (from the checkpoint's step if it was cut short), evaluate (sampled, all ranks
         together; after the last epoch also layer-wise, gnnray.train.layerwise), report."""
@@ -188,7 +211,8 @@ class Rank:
             saves.after_step(epoch, done + step, self.steps)
 
         stats = train_epoch(self.model, self.optimizer, of_epoch(batches, epoch, self.rank), self.steps - done,
-                            self.graph.num_classes, self.device, self.exported, self.embedding, after_step)
+                            self.graph.num_classes, self.device, self.exported, self.embedding, after_step,
+                            self.captured)
         if self.setup.graph.features is not None:  # what sharding cost this rank (the prefetch thread's gathers)
             stats.update(self.exported.features(self.features.stats().since(fetched)))
         started = time.monotonic()

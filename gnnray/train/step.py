@@ -23,12 +23,13 @@ from gnnray.batch import MiniBatch
 
 if TYPE_CHECKING:
     from gnnray.metrics import TrainMetrics
+    from gnnray.train.captured import CapturedStep
     from gnnray.train.embedding import EmbeddingTable
 
 
 def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_classes: int, device,
                 exported: Optional["TrainMetrics"] = None, embedding: Optional["EmbeddingTable"] = None,
-                on_step: Optional[Callable[[int], None]] = None) -> dict:
+                on_step: Optional[Callable[[int], None]] = None, captured: Optional["CapturedStep"] = None) -> dict:
     """Take ``steps`` optimizer steps over ``batches``; return the epoch's metrics, reduced over the ranks.
 
     A batch's ``x`` is the model's whole input: with ``embedding``, ``batches`` is a
@@ -37,11 +38,11 @@ def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_
     Returns ``loss`` (mean over all ranks' seeds), ``train_acc`` (over all ranks'
     seeds), ``seeds_per_s`` (all ranks' seeds over this rank's time), ``epoch_time``
     (this rank's) and ``data_wait`` (the ranks' mean share of time spent waiting for
-    batches).
+    batches). With ``captured``, each batch it takes is replayed from its CUDA graph; the others step here.
     """
     device = torch.device(device)
     # loss x seeds, correct predictions, seeds: float64, exact for counts up to 2**53.
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    sums = captured.sums.zero_() if captured else torch.zeros(3, dtype=torch.float64, device=device)
     model.train()
     start = time.perf_counter()
     wait, seeds = 0.0, 0
@@ -50,22 +51,8 @@ def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_
         mb = next(batches)
         waited = time.perf_counter() - t
         wait += waited
-        logits = model(mb.layers, mb.x)
-        labels = mb.labels.long()  # a no-op for batches from MiniBatch.to or the Prefetcher
-        # An empty batch (a split smaller than the ranks) still steps, with a
-        # zero loss, so every rank joins the same DDP all-reduces.
-        loss = F.cross_entropy(logits, labels) if mb.num_seeds else logits.sum() * 0.0
-        optimizer.zero_grad(set_to_none=True)
-        if embedding:
-            embedding.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if embedding:
-            embedding.step()  # sparse all-reduce over the ranks, then DGL's SparseAdam on the rows' holders
-        if mb.num_seeds:  # shapes are known on the host: no read-back
-            sums[0] += loss.detach() * mb.num_seeds
-            sums[1] += (logits.detach().argmax(1) == labels).sum()
-            sums[2] += mb.num_seeds
+        if captured is None or not captured.step(mb):
+            _eager_step(model, optimizer, mb, sums, embedding)
         seeds += mb.num_seeds
         if exported:
             exported.step(time.perf_counter() - t, waited, mb.num_seeds)
@@ -80,6 +67,25 @@ def train_epoch(model, optimizer, batches: Iterator[MiniBatch], steps: int, num_
     return dict(loss=loss_sum / all_seeds if all_seeds else 0.0, train_acc=correct / all_seeds if all_seeds else 0.0,
                 epoch_time=elapsed, seeds_per_s=all_seeds / elapsed if elapsed else 0.0,
                 data_wait=wait_share / ranks)
+
+
+def _eager_step(model, optimizer, mb: MiniBatch, sums: torch.Tensor, embedding) -> None:
+    logits = model(mb.layers, mb.x)
+    labels = mb.labels.long()  # a no-op for batches from MiniBatch.to or the Prefetcher
+    # An empty batch (a split smaller than the ranks) still steps, with a
+    # zero loss, so every rank joins the same DDP all-reduces.
+    loss = F.cross_entropy(logits, labels) if mb.num_seeds else logits.sum() * 0.0
+    optimizer.zero_grad(set_to_none=True)
+    if embedding:
+        embedding.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if embedding:
+        embedding.step()  # sparse all-reduce over the ranks, then DGL's SparseAdam on the rows' holders
+    if mb.num_seeds:  # shapes are known on the host: no read-back
+        sums[0] += loss.detach() * mb.num_seeds
+        sums[1] += (logits.detach().argmax(1) == labels).sum()
+        sums[2] += mb.num_seeds
 
 
 def seed_dropout(seed: int, rank: int, epoch: int, step: int = 0) -> None:
