@@ -72,9 +72,11 @@ def job(options: list, row: str, use_gpu: bool, epochs: int, actors: int, steps:
         events = [json.loads(line) for line in open(os.path.join(runs, "bench", "workers.jsonl"))]
     steady = rows[1:] or rows
     placed = [e for e in events if e["event"] == "features"]
+    stepped = [e for e in events if e["event"] == "step"]  # whether the step was captured (gnnray.train.captured)
     return dict(step_s=statistics.median(r["epoch_time"] for r in steady) / steps,
                 data_wait=statistics.median(r["data_wait"] for r in steady),
-                did=placed[-1] if placed else None, console=done.stdout.splitlines()[:6],
+                did=placed[-1] if placed else None, step=stepped[-1] if stepped else None,
+                console=done.stdout.splitlines()[:6],
                 console_lines=len(done.stdout.splitlines()) + len(done.stderr.splitlines()))
 
 
@@ -152,10 +154,11 @@ def main(argv=None) -> int:
                 print(f"  {row:<20} failed: {str(exc)[-600:]}", flush=True)
                 continue
             out[name][row] = r
-            did = r["did"] or {}
+            did, stepped = r["did"] or {}, r["step"] or {}
+            step = "captured" if stepped.get("captured") else f"eager ({stepped.get('why_not', '?')})"
             print(f"  {row:<20}{r['step_s'] * 1e3:>9.2f}{top['step_s'] * 1e3:>12.2f}"
                   f"{r['step_s'] / top['step_s']:>8.2f}{r['data_wait']:>11.2f}{r['console_lines']:>7}  "
-                  f"{did.get('placement', '?')} {did.get('note', '')}", flush=True)
+                  f"{did.get('placement', '?')} {did.get('note', '')}, {step} step", flush=True)
             for line in r["console"]:
                 if line.startswith(("sampling plan", "features")):
                     print(f"    {line}", flush=True)
