@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -133,8 +133,10 @@ class CapturedStep:
     or not: the graph writes to the tensor it was captured with, so the epoch zeroes it rather than replacing it.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device,
+                 on_failure: Optional[Callable[[str], None]] = None):
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
+        self.on_failure = on_failure  # told why, if capture fails (the run's event log; not the console)
         self.sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         self.seen: list[Shape] = []
         self.buffers: Optional[Padded] = None
@@ -194,7 +196,9 @@ class CapturedStep:
                 self._train()
         except RuntimeError as e:  # an op that cannot be captured: the run goes on, as it would without capture
             self.failed = str(e).splitlines()[0] if str(e) else type(e).__name__
-            logging.getLogger(__name__).warning("captured step: capture failed, every step eager: %s", self.failed)
+            logging.getLogger(__name__).info("captured step: capture failed, every step eager: %s", self.failed)
+            if self.on_failure:
+                self.on_failure(self.failed)
             self.optimizer.zero_grad(set_to_none=True)
             return False
         self.graph = graph

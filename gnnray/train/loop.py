@@ -193,9 +193,15 @@ class Rank:
 
     def capture(self, why_not: Optional[str]) -> None:
         """Replay the step from a CUDA graph unless ``why_not`` says why it cannot be (rank 0 logs which)."""
-        self.captured = captured.CapturedStep(self.model, self.optimizer, self.device) if why_not is None else None
-        if self.rank == 0 and self.setup.run_dir:
-            log_event(self.setup.run_dir, "step", captured=why_not is None, why_not=why_not or "")
+        run_dir = self.setup.run_dir if self.rank == 0 else None
+
+        def said(replayed: bool, why: str = "") -> None:  # the run's event log; bench.gpu.placements reads it
+            if run_dir:
+                log_event(run_dir, "step", captured=replayed, why_not=why)
+
+        self.captured = (captured.CapturedStep(self.model, self.optimizer, self.device, lambda why: said(False, why))
+                         if why_not is None else None)
+        said(why_not is None, why_not or "")
 
     def run_epoch(self, epoch: int, batches: Iterator[MiniBatch]) -> None:
         """Train the epoch (from the checkpoint's step if it was cut short), evaluate (sampled, all ranks
