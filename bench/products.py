@@ -7,8 +7,7 @@ gnnray (``jobs/train_arxiv.py --reverse-edges yes``, 1 worker, 1 sampler actor, 
 edges, CSC, ``DataLoader``, the tutorial's 3 mean ``SAGEConv`` layers; ``--dgl-python``: its interpreter),
 each in its own process. Per phase (load, training, evaluation, from their output lines) the time and two
 memory peaks: the machine's used memory over its value before, and the PSS summed over the run's process tree
-(its Ray cluster included; shared pages once). ``--load-only``: the structure's load alone, gnnray's
-(``read_graph_dir(...).build(reverse=True)``) against the DGL script's, interleaved ``--repeat`` times.
+(its Ray cluster included; shared pages once).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import REPO, RESULTS, Row, child_env, emit, interleaved, medians, report, run_child, write_json
+from bench.harness import REPO, RESULTS, Row, child_env, emit, report, write_json
 
 SPLIT = (196_615, 39_323, 48_981)  # ogbn-products' train / valid / test, of 2,449,029 nodes
 MARK = "PHASE "
@@ -99,20 +98,13 @@ class Memory:
         return max((m for t, m in (self.tree if tree else self.samples) if a <= t <= b), default=0) / 1e9
 
 
-def timed_lines(cmd: list, env: dict, mem: "Memory | None" = None) -> tuple[list, float, float, int]:
-    """Run ``cmd`` (``mem`` follows its tree): each output line with its time; start, end, exit code."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if mem is not None:
-        mem.pid = proc.pid
-    lines = [(time.perf_counter(), line.rstrip()) for line in proc.stdout]
-    return lines, start, time.perf_counter(), proc.wait()
-
-
 def watched(cmd: list, env: dict, what: str) -> tuple:
-    """:func:`timed_lines` with :class:`Memory` following the run: lines, start, end and the memory."""
-    mem = Memory()
-    lines, start, end, rc = timed_lines(cmd, env, mem)
+    """Run ``cmd`` with :class:`Memory` following its tree: each output line with its time, start, end, the memory."""
+    mem, start = Memory(), time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mem.pid = proc.pid
+    lines = [(time.perf_counter(), line.rstrip()) for line in proc.stdout]
+    end, rc = time.perf_counter(), proc.wait()
     mem.stop()
     if rc:
         raise RuntimeError(f"{what} exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
@@ -163,44 +155,35 @@ def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
 ENV = child_env(**ARROW_ENV)  # the scripts' environment: Arrow's allocator as the job sets it
 
 
-def dgl_graph(path: Path):
-    """The graph directory's structure as the DGL script loads it: pyarrow, ``dgl.graph`` with the reverse
-    edges, CSC."""
-    import dgl
-    import pyarrow.parquet as pq
-    import torch
-
-    n = json.loads((path / "meta.json").read_text())["num_nodes"]
-    edges = pq.read_table(path / "edges.parquet")
-    src, dst = (torch.from_numpy(edges[c].to_numpy()) for c in ("src", "dst"))
-    del edges
-    g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=n)
-    del src, dst
-    g = g.formats("csc")
-    g.create_formats_()
-    return g
-
-
 def dgl_script(spec: dict) -> None:
-    """The DGL tutorial's script on the graph directory: load, one epoch, sampled validation and test."""
+    """The DGL tutorial's script on the graph directory: pyarrow, ``dgl.graph`` with the reverse edges, CSC; three
+    mean ``SAGEConv`` layers with torch's dropout; one epoch, sampled validation and test."""
+    import dgl
     import pyarrow.parquet as pq
     import torch
-
-    import dgl
     import torch.nn.functional as F
 
+    from bench.dgl_models import DGLModel
     from gnnray.config import parse_args
+    from gnnray.models.model import model_for
 
     path = Path(spec["graph"])
     meta = json.loads((path / "meta.json").read_text())
-    g = dgl_graph(path)
+    edges = pq.read_table(path / "edges.parquet")
+    src, dst = (torch.from_numpy(edges[c].to_numpy()) for c in ("src", "dst"))
+    del edges
+    g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=meta["num_nodes"])
+    del src, dst
+    g = g.formats("csc")
+    g.create_formats_()
     nodes = pq.read_table(path / "nodes.parquet").to_pandas()
     label = torch.from_numpy(nodes["label"].to_numpy())
     feat = torch.randn(meta["num_nodes"], spec["feat"])
     ids = {s: torch.from_numpy(np.flatnonzero(nodes["split"].to_numpy() == s)) for s in ("train", "valid", "test")}
     print(MARK + "loaded", flush=True)
     cfg = parse_args(["--model", "sage", "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024"])
-    model = Sage(spec["feat"], 256, meta["num_classes"], dgl.nn.SAGEConv)
+    model = DGLModel(model_for(spec["feat"], meta["num_classes"], cfg))
+    model.dropout = torch.nn.Dropout(0.5)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
     sampler = dgl.dataloading.NeighborSampler([15, 10, 5])
 
@@ -225,61 +208,8 @@ def dgl_script(spec: dict) -> None:
                 right += int((model(blocks, feat[blocks[0].srcdata[dgl.NID]]).argmax(1) == label[out]).sum())
                 total += len(out)
             acc[split] = right / max(total, 1)
-    eval_s = time.perf_counter() - start - train_s
-    emit(dict(train_s=train_s, eval_s=eval_s, val_acc=acc["valid"], test_acc=acc["test"]))
-
-
-def Sage(in_feats: int, hidden: int, classes: int, conv):
-    """The DGL tutorial's GraphSAGE: three mean ``SAGEConv`` layers, ReLU and dropout 0.5 between them."""
-    import torch
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            sizes = [in_feats, hidden, hidden, classes]
-            self.layers = torch.nn.ModuleList(conv(a, b, "mean") for a, b in zip(sizes, sizes[1:]))
-            self.dropout = torch.nn.Dropout(0.5)
-
-        def forward(self, blocks, h):
-            for i, (layer, block) in enumerate(zip(self.layers, blocks)):
-                h = layer(block, h)
-                if i < len(self.layers) - 1:
-                    h = self.dropout(torch.relu(h))
-            return h
-
-    return Model()
-
-
-def load_script(which: str, path: Path) -> None:
-    """Load the graph directory's structure as gnnray or as the DGL script does; print its time and peak RSS."""
-    start = time.perf_counter()
-    if which == "gnnray":
-        from gnnray.data.graph_dir import read_graph_dir
-
-        g = read_graph_dir(path).build(reverse=True)
-        edges = g.num_edges
-    else:
-        edges = dgl_graph(path).num_edges()
-    seconds = time.perf_counter() - start
-    peak = [int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM")][0]
-    emit(dict(load_s=seconds, peak_rss_gb=peak / 1e9, edges=edges))
-
-
-def load_only(graph_dir: Path, repeat: int = 1, dgl_python: str = sys.executable) -> dict:
-    """gnnray's and the DGL script's loads of the structure, each in a process of its own, interleaved ``repeat``
-    times: the medians and their ratios."""
-    def load(which: str):
-        python = dgl_python if which == "dgl" else sys.executable
-        return lambda _: run_child([python, "-m", "bench.products", "--load-script", which, str(graph_dir)], ENV,
-                                   what=f"{which} load")
-
-    runs = interleaved({"gnnray": load("gnnray"), "dgl": load("dgl")}, repeat)
-    keys = ("load_s", "peak_rss_gb", "process_s")
-    out = {which: dict(medians(rs, *keys), edges=rs[0]["edges"], runs=rs) for which, rs in runs.items()}
-    out["ratio"] = {k: out["gnnray"][k] / out["dgl"][k] for k in keys}
-    out["rows"] = [Row(f"structure load: {k}", ours=f"{out['gnnray'][k]:.2f}", baseline=f"{out['dgl'][k]:.2f}",
-                       ratio=f"{out['ratio'][k]:.2f}x", target="-", met="-") for k in keys]
-    return out
+    emit(dict(train_s=train_s, eval_s=time.perf_counter() - start - train_s, val_acc=acc["valid"],
+              test_acc=acc["test"]))
 
 
 def main(argv=None) -> int:
@@ -290,21 +220,15 @@ def main(argv=None) -> int:
     ap.add_argument("--feat", type=int, default=100)
     ap.add_argument("--workdir", default="/tmp/gnnray-products")
     ap.add_argument("--json", default=str(RESULTS / "products.json"))
-    ap.add_argument("--load-only", action="store_true", help="only load the structure, gnnray's way and DGL's")
-    ap.add_argument("--repeat", type=int, default=1, help="--load-only: runs of each, interleaved (medians)")
     ap.add_argument("--ours", default="", help="more options for gnnray's run, as one string (e.g. '--eval-rows "
                     "100000000': evaluation batches of --eval-batch-size seeds whatever their rows)")
     ap.add_argument("--ours-only", action="store_true", help="run gnnray's side alone (no DGL, no ratios)")
     ap.add_argument("--dgl-python", default=sys.executable,
                     help="the Python that runs the DGL script (one whose environment has DGL and its torch)")
     ap.add_argument("--dgl-script", help=argparse.SUPPRESS)
-    ap.add_argument("--load-script", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dgl_script:
         dgl_script(json.loads(args.dgl_script))
-        return 0
-    if args.load_script:
-        load_script(args.load_script[0], Path(args.load_script[1]))
         return 0
     import psutil
 
@@ -314,12 +238,6 @@ def main(argv=None) -> int:
     write_graph(graph_dir, args.nodes, args.avg_degree, args.classes)
     print(f"graph directory {graph_dir} ({time.perf_counter() - start:.0f}s)", flush=True)
     load = os.getloadavg()
-    if args.load_only:
-        out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree),
-                   **load_only(graph_dir, args.repeat, args.dgl_python), loadavg_before=load,
-                   loadavg_after=os.getloadavg())
-        report(out.pop("rows"), args.json, f"structure load, medians of {args.repeat}", **out)
-        return 0
     ours = run_gnnray(graph_dir, work, args.feat, tuple(args.ours.split()))
     if args.ours_only:
         write_json(args.json, dict(gnnray=ours, loadavg_before=load, loadavg_after=os.getloadavg()))

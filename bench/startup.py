@@ -1,11 +1,9 @@
 """Start-up: seconds from the command to the first training step, and when each part of the way ends.
 
-``python -m bench.startup [--runs N] [--join] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` (default
-``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval sampled``) in a new process with a
-Ray temp dir of its own; the milestones come from what a run leaves anyway: its graph line, Ray's session logs
-(driver, raylet, workers, Ray Train's and Ray Data's logs) and rank 0's progress file. ``--join`` starts one
-head (``ray start --head``, stopped by its processes' ids) and runs against it; its first run, which also pays
-for the head's first job, is left out of the medians.
+``python -m bench.startup [--runs N] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` (default
+``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval sampled``) in a new process starting
+a new local cluster; the milestones come from what a run leaves anyway: its graph line, Ray's session logs
+(driver, raylet, workers, Ray Train's and Ray Data's logs) and rank 0's progress file.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import glob
 import json
 import os
 import re
-import secrets
 import statistics
 import subprocess
 import sys
@@ -24,10 +21,9 @@ import tempfile
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-from bench.cpu import machine_busy_s, processes, tree
+from bench.cpu import machine_busy_s, tree
 from bench.harness import REPO, write_json
 
 JOB = REPO / "jobs" / "train_arxiv.py"
@@ -118,9 +114,6 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
 
     controller = glob.glob(os.path.join(logs, "train", "ray-train-sys-controller-*.log"))
     workers = glob.glob(os.path.join(logs, "train", "ray-train-sys-worker-*.log"))
-    # For a joined cluster the session holds earlier runs too: only this job's records count.
-    controller = [p for p in controller if any(f'"job_id": "{job_hex}"' in line for line in _lines(p)[:3])]
-    workers = [p for p in workers if any(f'"job_id": "{job_hex}"' in line for line in _lines(p)[:3])]
     data_log = os.path.join(logs, "ray-data", "ray-data.log")
     start = stdout_times.get("start", 0.0)
 
@@ -144,11 +137,11 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
 
 
 class CpuWatch:
-    """CPU-seconds of a process tree (and ``extra_roots``, a joined head's) and of everything else while it ran,
-    polled every ``every_s`` (a process's last fraction of a period is missed: "others" is slightly high)."""
+    """CPU-seconds of a process tree and of everything else while it ran, polled every ``every_s`` (a process's
+    last fraction of a period is missed: "others" is slightly high)."""
 
-    def __init__(self, root_pid: int, extra_roots: Callable[[], list[int]] = lambda: [], every_s: float = 0.25):
-        self._root, self._extra, self._every = root_pid, extra_roots, every_s
+    def __init__(self, root_pid: int, every_s: float = 0.25):
+        self._root, self._every = root_pid, every_s
         self._seen: dict[int, float] = {}
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
@@ -158,7 +151,7 @@ class CpuWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
-            for pid, (cmd, cpu_s) in tree([self._root, *self._extra()]).items():
+            for pid, (cmd, cpu_s) in tree([self._root]).items():
                 self._seen[pid] = max(self._seen.get(pid, 0.0), cpu_s)
                 name = _process_name(cmd)
                 if name != "ray::IDLE" or pid not in self.names:  # keep the actor it became
@@ -194,8 +187,7 @@ def _process_name(cmd: str) -> str:
     return " ".join(w for w in words if w and not w.startswith("python"))[:40] or "?"
 
 
-def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900,
-             extra_roots: Callable[[], list[int]] = lambda: []) -> dict:
+def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900) -> dict:
     """One run of the job; its milestones (seconds since the command) and processes."""
     run_dir = os.path.join(workdir, "runs", name)
     cmd = [sys.executable, str(JOB), *options, "--name", name, "--storage-path", os.path.join(workdir, "runs")]
@@ -204,7 +196,7 @@ def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: fl
     start = time.time()
     stdout_times["start"] = start
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watch = CpuWatch(proc.pid, extra_roots)
+    watch = CpuWatch(proc.pid)
     output: list[str] = []
 
     def read() -> None:
@@ -245,47 +237,6 @@ def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: fl
                                     if p[k]}} for p in procs])
 
 
-def wait_until_idle(share: float, patience_s: float = 600) -> float:
-    """Wait (at most ``patience_s``) until at least ``share`` of the CPU was idle over 2 s; the share seen last."""
-    def sample():
-        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        return v[3] + v[4], sum(v)  # idle + iowait, total
-
-    deadline = time.time() + patience_s
-    while True:
-        (i0, t0), _ = sample(), time.sleep(2.0)
-        i1, t1 = sample()
-        if (i1 - i0) / max(1, t1 - t0) >= share or time.time() > deadline:
-            return (i1 - i0) / max(1, t1 - t0)
-
-
-class Head:
-    """A Ray head of our own (``ray start --head``), stopped by its processes' ids, not by ``ray stop``."""
-
-    def __init__(self, tmpdir: str, port: int, dashboard_port: int, num_cpus: int, env: dict):
-        self.tmpdir, self.address, self.env = tmpdir, f"127.0.0.1:{port}", env
-        ray = str(Path(sys.executable).with_name("ray"))
-        subprocess.run([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard_port}",
-                        "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
-                        "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
-
-    def pids(self) -> list[int]:
-        """The head's own processes (their children, the workers, are found from them)."""
-        return [pid for pid, (_, cmd, _) in processes().items() if self.tmpdir in cmd and pid != os.getpid()]
-
-    def stop(self) -> None:
-        import psutil
-
-        mine = []
-        for pid in self.pids():
-            with contextlib.suppress(psutil.Error):
-                mine.append(psutil.Process(pid))
-                mine[-1].terminate()
-        for p in psutil.wait_procs(mine, timeout=15)[1]:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-
-
 def summary(runs: list[dict]) -> dict:
     """Median of each milestone over ``runs`` (those that reached it)."""
     out = {}
@@ -308,14 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=3, help="runs (each a new process; a new cluster unless --join)")
-    p.add_argument("--join", action="store_true", help="start one head (ray start --head) and join it")
-    p.add_argument("--port", type=int, default=26379, help="the head's GCS port (--join)")
-    p.add_argument("--dashboard-port", type=int, default=28265, help="the head's dashboard port (--join)")
-    p.add_argument("--num-cpus", type=int, default=4, help="the head's logical CPUs (--join)")
-    p.add_argument("--idle", type=float, default=0.0,
-                   help="before each run wait (up to 10 min) until this share of the CPU is idle, e.g. 0.8 on a "
-                   "shared machine")
+    p.add_argument("--runs", type=int, default=3, help="runs (each a new process and a new cluster)")
     p.add_argument("--json", default=None, help="also write every run's milestones and processes here")
     p.add_argument("--label", default="", help="a note stored with the results (e.g. what was changed)")
     args = p.parse_args(argv)
@@ -323,32 +267,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     workdir = tempfile.mkdtemp(prefix="gnnray-startup-")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_TMPDIR"] = workdir
-    head = None
-    if args.join:
-        # Ray 2.60's `ray start` turns on token authentication when ~/.ray/auth_token exists, and a driver given an
-        # address does not read that file: the same explicit token for the head and the jobs (as test_job_submit).
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-        head = Head(workdir, args.port, args.dashboard_port, args.num_cpus, env)
-        env["RAY_ADDRESS"] = head.address
     runs = []
-    try:
-        for i in range(args.runs):
-            idle = wait_until_idle(args.idle) if args.idle else None
-            r = run_once(DEFAULT_OPTIONS + extra, env, workdir, f"startup{i}", extra_roots=head.pids if head else list)
-            r["idle_before"] = idle
-            runs.append(r)
-            m = r["milestones"]
-            print(f"run {i}: first_step={m['first_step']}s others_share={r['others_share']} "
-                  + " ".join(f"{k}={v}" for k, v in m.items() if k != "first_step"), flush=True)
-    finally:
-        if head:
-            head.stop()
-    # On a joined head the first run also pays for the head's first job (workers, imports): shown apart.
-    later = runs[1:] if args.join and len(runs) > 1 else runs
-    print(table(summary(later), len(later)))
+    for i in range(args.runs):
+        runs.append(run_once(DEFAULT_OPTIONS + extra, env, workdir, f"startup{i}"))
+        m = runs[-1]["milestones"]
+        print(f"run {i}: first_step={m['first_step']}s others_share={runs[-1]['others_share']} "
+              + " ".join(f"{k}={v}" for k, v in m.items() if k != "first_step"), flush=True)
+    print(table(summary(runs), len(runs)))
     if args.json:
-        write_json(args.json, dict(label=args.label, join=args.join, options=DEFAULT_OPTIONS + extra, runs=runs,
-                                   median=summary(later), load=os.getloadavg()))
+        write_json(args.json, dict(label=args.label, options=DEFAULT_OPTIONS + extra, runs=runs,
+                                   median=summary(runs), load=os.getloadavg()))
     return 0
 
 
