@@ -1,11 +1,8 @@
 """The train worker's GPU path, checked on a bare GPU machine: ``python -m bench.gpu [--smoke] [--json PATH]``.
 
-Torch and numpy only (no Ray, no DGL), on synthetic batches (``batches.py``); each row against the CPU or the
-bound it should meet: ``model NAME`` and ``layerwise NAME`` (``models.py``: the device's outputs and gradients
-against the CPU's, step times, host syncs a step), ``prefetch float32|float16`` (``overlap.py``: a batch with
-the ``Prefetcher`` against max(copy, compute)), ``ddp step`` (``ddp.py``) and ``syncs ...`` (``syncs.py``). A
-failed row shows its error and the others still run. Without CUDA every row runs on the CPU at small sizes, as
-a smoke test (tests/test_gpu_bench.py). ``python -m bench`` runs the prefetch row as its ``gpu`` stage.
+Torch and numpy only, on synthetic batches (``batches.py``); each row against the CPU or its bound: ``model`` and
+``layerwise`` (``models.py``), ``prefetch`` (``overlap.py``), ``ddp step`` (``ddp.py``), ``syncs`` (``syncs.py``).
+Without CUDA every row runs on the CPU at small sizes, a smoke test (tests/test_gpu_bench.py).
 """
 
 from __future__ import annotations

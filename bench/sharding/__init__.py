@@ -1,12 +1,9 @@
 """``python -m bench --sharding [--quick]``: the feature table split over nodes (``--feature-shards K``).
 
-On ``ray.cluster_utils.Cluster`` (a head and 3 nodes, each with its own object store; loopback between them),
-each against K = 1 in the same run: the object store per node, remote rows and gather time per batch, and
-the cache hit rate (``gathers.py``); training seeds/s and CPU per steady epoch (``training.py``); the driver's
-memory, and under a data limit (``driver.py``); layer-wise inference's hidden tables (``hidden_tables.py``); and
-first, without Ray, what a batch reaches on larger graphs (``reach.py``, docs/scaling.md#what-a-batch-reaches).
-The graph: a synthetic structure as a graph directory with its splits cut to a few batches, random features
-generated on the shard nodes (``cluster.py``: the settings, the cluster, the graph).
+On a simulated cluster (``cluster.py``: a head and 3 nodes, each with its own object store), each against K = 1:
+store per node, remote rows, gather time and cache hits (``gathers.py``); the driver's memory (``driver.py``);
+layer-wise inference's hidden tables (``hidden_tables.py``); and first, without Ray, what a batch reaches
+(``reach.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from bench.sharding.cluster import DEFAULT_JSON_NAME, FIGURE, ShardSettings, Sim
 from bench.sharding.driver import bench_driver_limit, bench_driver_memory
 from bench.sharding.gathers import bench_cluster_gathers
 from bench.sharding.reach import bench_extrapolation
-from bench.sharding.training import bench_cluster_cpu, bench_cluster_training
 
 __all__ = ["DEFAULT_JSON_NAME", "FIGURE", "ShardSettings", "run_section", "settings"]
 
@@ -45,9 +41,7 @@ def run_section(ss: ShardSettings, workdir: Path, verbose: bool, result: dict,
     out["cluster_start_s"] = time.perf_counter() - start
     try:
         rows += guarded(f"{FIGURE}: gathers", "", lambda: bench_cluster_gathers(cl, ss, data, out))
-        rows += guarded(f"{FIGURE}: training", "", lambda: bench_cluster_training(ss, data, workdir, out))
         rows += guarded(f"{FIGURE}: driver memory", "", lambda: bench_driver_memory(cl, ss, data, workdir, out))
-        rows += guarded(f"{FIGURE}: CPU per epoch", "", lambda: bench_cluster_cpu(ss, data, workdir, out))
     finally:
         cl.close()
     rows += guarded(f"{FIGURE}: driver under a limit", "", lambda: bench_driver_limit(ss, workdir, verbose, out))

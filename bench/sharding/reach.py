@@ -24,11 +24,8 @@ def upper_bound(batch_size: int, fanouts: tuple) -> int:
 
 def sampling_stats(graph, ss: ShardSettings, batch_size: int, batches: int,
                    seeds_from: Optional[np.ndarray] = None) -> dict:
-    """Per-batch input nodes, cache hit rates and remote shares with contiguous shards; medians over batches.
-
-    Hit rates and shares are per batch over its unique input nodes, what a
-    gather fetches.
-    """
+    """Per-batch input nodes, and cache hit rates and remote shares over its unique input nodes (what a gather
+    fetches) with contiguous shards; medians over batches."""
     from gnnray.sampler.sampler import Sampler
     from gnnray.store.shards import cache_ids, shard_bounds
 
@@ -75,14 +72,8 @@ def small_reach_batch(n: int, ss: ShardSettings) -> int:
 
 
 def bench_extrapolation(ss: ShardSettings) -> list[Row]:
-    """Sampling only, per graph: at batch 1024, and at a small batch whose reach is a small share of the graph.
-
-    On graphs of 10^5-10^6 nodes a batch of 1024 seeds with fanouts 10,10,10
-    reaches most nodes (its input nodes saturate and every cache hit rate tends
-    to the cached share of nodes). ogbn-papers100M's 111 M nodes are ~100x a
-    batch's reach: the small batch keeps that ratio, so its input nodes per
-    seed and hit rates are the ones to scale (docs/scaling.md#what-a-batch-reaches).
-    """
+    """Sampling only, per graph: at batch 1024, and at a batch whose reach is a small share of the graph, as
+    papers100M is ~100x a batch's reach (docs/scaling.md#what-a-batch-reaches)."""
     from bench.harness import DEFAULT_DATASET
     from gnnray.config import DataConfig
     from gnnray.data.load import load_structure
