@@ -69,7 +69,8 @@ def table(result: dict) -> str:
                     f"cpu" + (f"; {r['host_syncs_per_step']:g} host syncs/step" if "host_syncs_per_step" in r else ""))
         elif name.startswith("layerwise"):
             text = (f"{r['nodes']:,} nodes: hidden rel diff {r['hidden_rel_diff']:.1e}, predictions agree "
-                    f"{100 * r['pred_agree']:.2f}%; {r['device_s']:.2f} s on {result['device']} vs {r['cpu_s']:.2f} s on cpu")
+                    f"{100 * r['pred_agree']:.2f}%; {r['device_s']:.2f} s on {result['device']} vs "
+                    f"{r['cpu_s']:.2f} s on cpu")
         elif name.startswith("syncs"):
             from bench.gpu.syncs import text as syncs_text
 
