@@ -33,7 +33,7 @@ PROGRESS_FILE = ".progress"  # gnnray.run_storage.PROGRESS_FILE, read here witho
 
 # Milestones in the order a run normally reaches them, with what each one means.
 MILESTONES = {
-    "graph_line": "driver printed its graph line (graph loaded; since this change also Ray connected)",
+    "graph_line": "driver printed its graph line (graph loaded, Ray connected)",
     "ray_connected": "driver connected to Ray (a local cluster: started)",
     "controller_launched": "Ray Train controller process launched (trainer.fit called)",
     "controller_running": "controller running (its first log line)",
@@ -191,10 +191,9 @@ def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: fl
     """One run of the job; its milestones (seconds since the command) and processes."""
     run_dir = os.path.join(workdir, "runs", name)
     cmd = [sys.executable, str(JOB), *options, "--name", name, "--storage-path", os.path.join(workdir, "runs")]
-    stdout_times: dict = {}
-    first_step: list = []
     start = time.time()
-    stdout_times["start"] = start
+    stdout_times: dict = {"start": start}
+    first_step: list = []
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watch = CpuWatch(proc.pid)
     output: list[str] = []
