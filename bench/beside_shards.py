@@ -1,11 +1,9 @@
 """Train workers beside their shards: remote rows per batch with and without, and what each node's store holds.
 
-``python -m bench.beside_shards [--quick]``: on a simulated cluster (a head of 4 CPUs, 3 nodes of 2 CPUs and
-300 MiB stores), the sharding section's graph cut to 8 training batches, ``--feature-shards 3``, 2 train
-workers, fanouts 10,10,10, 1 epoch; for ``--feature-cache`` 0 and 0.1, ``fit.run`` as the job places its workers
-(``plans.beside_shards``) against as Ray Train places them alone: each worker's node, rank 0's remote share and
-bytes per batch, the cache hit rate, and each node's bytes of the job's objects. ``--host-memory``: what placing
-features costs a train worker's host memory, before and now (:func:`host_memory`).
+``python -m bench.beside_shards [--quick]``: on a simulated cluster, ``--feature-shards 3`` and 2 train workers,
+``fit.run`` as the job places its workers (``plans.beside_shards``) against as Ray Train places them: each
+worker's node, rank 0's remote share and bytes per batch, the cache hit rate, each node's bytes of the job's
+objects. ``--host-memory``: what placing features costs a train worker's host memory (:func:`host_memory`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The products-sized row: gnnray's whole 1-epoch run against the DGL tutorial script's, side by side.
 
-``python -m bench.products`` writes an ogbn-products-shaped graph directory (``--dataset synthetic``'s
-generator, 2,449,029 nodes, average degree 50, 47 classes, products' split; 100 random features), then runs
-gnnray (``jobs/train_arxiv.py --reverse-edges yes``, 1 worker, 1 sampler actor, SAGE 3 x 256, fanouts 15,10,5,
-``--eval sampled``, 1 epoch) and the DGL script (``--dgl-script``: pyarrow, ``dgl.graph`` with the reverse
-edges, CSC, ``DataLoader``, the tutorial's 3 mean ``SAGEConv`` layers; ``--dgl-python``: its interpreter),
-each in its own process. Per phase (load, training, evaluation, from their output lines) the time and two
-memory peaks: the machine's used memory over its value before, and the PSS summed over the run's process tree
-(its Ray cluster included; shared pages once).
+``python -m bench.products`` writes an ogbn-products-shaped graph directory (2,449,029 nodes, average degree 50,
+47 classes, products' split; 100 random features), then runs ``jobs/train_arxiv.py`` (1 worker, SAGE 3 x 256,
+fanouts 15,10,5, ``--eval sampled``, 1 epoch) and the DGL script (:func:`dgl_script`, run by ``--dgl-python``),
+each in its own process. Per phase (load, training, evaluation) the time and two memory peaks: the machine's
+used memory over its value before, and the PSS summed over the run's process tree (its Ray cluster included).
 """
 
 from __future__ import annotations

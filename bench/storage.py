@@ -1,11 +1,10 @@
 """A run's largest files in a directory and in an object store: time and peak memory of writing and reading them.
 
-``python -m bench.storage [--rows 1000000] [--rounds 3]``: an embedding owner's checkpoint (``write_rows`` of its
-shard: rows, Adam moments, step counts) and a resume's read of a third of it (``read_rows``), each in a fresh
-process, in a temporary directory, in moto's S3 server on the loopback (``tests/s3_server.py``; not S3: what
-this code path costs on one machine) and, for writes, with pyarrow's default background writes (the baseline
-gnnray turns off), interleaved in rounds; seconds and peak memory above what the process held (medians).
-``--requests``: the requests a whole 3-epoch run (a checkpoint every epoch) makes to the server.
+``python -m bench.storage [--rows 1000000] [--rounds 3]``: an embedding owner's checkpoint of its shard and a
+resume's read of a third of it, each in a fresh process, in a directory and in moto's S3 server on the loopback
+(``tests/s3_server.py``), writes also with pyarrow's default background writes (the baseline gnnray turns off),
+in rounds; seconds and peak memory above what the process held (medians). ``--requests``: the requests a
+3-epoch run makes.
 """
 
 from __future__ import annotations
