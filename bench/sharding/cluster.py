@@ -35,12 +35,6 @@ class ShardSettings:
     batches: int = 12  # gathered per configuration and reader, after one warm-up
     train_batches: int = 16  # the graph's splits, cut to these many batches
     eval_batches: int = 2
-    # Sampling only: (name, nodes, average in-degree) of the synthetic graphs; the arxiv structure when present.
-    extrapolation: tuple = (("synthetic-250k", 250_000, 29), ("synthetic-1M", 1_000_000, 29))
-    extrapolation_batches: int = 8
-    small_reach: float = 0.02  # the small batch reaches at most this share of the graph's nodes
-    small_reach_seeds: int = 4096  # seeds sampled in small batches per graph
-    extrapolation_shards: tuple = (2, 4, 8)
     memory_dims: tuple = (128, 512)  # the driver's memory with feature tables of these widths
     # Layer-wise inference's hidden tables (hidden_tables.py): the model's layers and width, nodes per chunk, how
     # often each node's store is read while it runs.
@@ -64,9 +58,7 @@ class ShardSettings:
 def settings(quick: bool) -> ShardSettings:
     s = ShardSettings(quick=quick)
     if quick:
-        s = dataclasses.replace(s, batches=5, train_batches=8,
-                                extrapolation=(("synthetic-250k", 250_000, 29),), extrapolation_batches=4,
-                                small_reach_seeds=2048)
+        s = dataclasses.replace(s, batches=5, train_batches=8)
     return s
 
 
