@@ -1,13 +1,7 @@
-"""The ``wall`` stage: whole runs as a user starts them, ours against the DGL loop's script, side by side.
-
-Ours: ``python jobs/train_arxiv.py`` with the benchmark's options (:func:`job_argv`; its own local cluster; also
-with 2 DDP workers and ``--cpu-plan off``); baselines: ``python -m bench.dgl_loop`` on as many threads as cores
-with ``DataLoader(num_workers=0)`` and ``num_workers=1``. Each runs for ``E_short`` and ``E_long`` epochs:
-a steady epoch takes ``(wall_long - wall_short) / (E_long - E_short)`` seconds and as many machine
-CPU-seconds (``/proc/stat``, every process), start-up and the final test cancelled out. The configurations
-run in ``--wall-repeats`` interleaved rounds; each figure is the median over rounds (whole runs drift 10-15%
-between hours). During ours' long run :mod:`bench.cpu` snapshots every process at each epoch line: the table
-of where the time goes.
+"""The ``wall`` stage: whole runs as a user starts them, ours (``jobs/train_arxiv.py``, :func:`job_argv`) against
+the DGL loop's script (``bench.dgl_loop``), each for a short and a long run: a steady epoch's seconds and machine
+CPU-seconds are their difference over the extra epochs, start-up and the final test cancelled out; medians over
+``--wall-repeats`` interleaved rounds. :mod:`bench.cpu` splits ours' steady epochs by process group.
 """
 
 from __future__ import annotations
@@ -100,7 +94,7 @@ def steady(short: Result, long: Result, more: int, seeds_per_epoch: int) -> Resu
             return r
     epoch_s = (long["wall_s"] - short["wall_s"]) / more
     out = dict(epoch_s=epoch_s, seeds_per_s=seeds_per_epoch / epoch_s,
-               cpu_s=(long["cpu_s"] - short["cpu_s"]) / more, start_s=short["wall_s"] - epoch_s * _epochs(short),
+               cpu_s=(long["cpu_s"] - short["cpu_s"]) / more, start_s=short["wall_s"] - epoch_s * len(short["epochs"]),
                whole_s=long["wall_s"], short=short, long=long)
     # Where the time went in the long run's steady epochs: the windows between epoch lines start with epoch 1;
     # the last epoch is left out (the stream ends in it, so its last batches have no sampling beside them).
@@ -109,10 +103,6 @@ def steady(short: Result, long: Result, more: int, seeds_per_epoch: int) -> Resu
         groups = sorted({g for w in steady_windows for g in w})
         out["by_process"] = {g: statistics.median(w.get(g, 0.0) for w in steady_windows) for g in groups}
     return out
-
-
-def _epochs(run: dict) -> int:
-    return len(run["epochs"])
 
 
 def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, round_: int = 0) -> dict:
