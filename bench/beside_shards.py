@@ -1,9 +1,8 @@
 """Train workers beside their shards: remote rows per batch with and without, and what each node's store holds.
 
-``python -m bench.beside_shards [--quick]``: on a simulated cluster, ``--feature-shards 3`` and 2 train workers,
-``fit.run`` as the job places its workers (``plans.beside_shards``) against as Ray Train places them: each
-worker's node, rank 0's remote share and bytes per batch, the cache hit rate, each node's bytes of the job's
-objects. ``--host-memory``: what placing features costs a train worker's host memory (:func:`host_memory`).
+``python -m bench.beside_shards``: ``fit.run`` with ``--feature-shards 3`` and 2 train workers on a simulated
+cluster, placed as the job places them (``plans.beside_shards``) against as Ray Train does. ``--host-memory``:
+what placing features costs a train worker's host memory (:func:`host_memory`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The feature gather and the prefetch overlap against torch's thread count: ``python -m bench.gather``.
 
-Torch and numpy only. ``gather``: 100k rows of a 200k x 128 float32 table by ``np.take`` (the baseline) and by
-``index_select`` on 1 to all threads, and the pinned copy; ``threads``: ``bench.gpu``'s ``prefetch float32`` row
-against torch's threads.
+``gather``: 100k rows of a 200k x 128 float32 table by ``np.take`` (the baseline) and by ``index_select``, and the
+pinned copy; ``threads``: ``bench.gpu``'s ``prefetch float32`` row.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Forward + backward of a batch: the torch models (gnnray/models/conv.py) against DGL's modules, same weights.
 
-``python -m bench.models [--models sage,gcn,...] [--shape arxiv|products] [--huge-pages both]``: one batch's
-layers (sampled from the arxiv structure, else random of its sizes; or random of a products-shaped batch's), each
-model and its DGL-module twin (``dgl_models.py``; only in the dgl extra's environment) in turn; medians.
-``--huge-pages both``: ours with torch's huge pages against without, in fresh processes.
+``python -m bench.models [--models sage,gcn,...] [--shape arxiv|products] [--huge-pages both]``: each model and its
+DGL twin (``dgl_models.py``, in the dgl extra's environment) in turn on one batch's layers; medians.
 """
 
 from __future__ import annotations

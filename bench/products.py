@@ -1,10 +1,8 @@
 """The products-sized row: gnnray's whole 1-epoch run against the DGL tutorial script's, side by side.
 
-``python -m bench.products`` writes an ogbn-products-shaped graph directory (2,449,029 nodes, average degree 50,
-47 classes, products' split; 100 random features), then runs ``jobs/train_arxiv.py`` (1 worker, SAGE 3 x 256,
-fanouts 15,10,5, ``--eval sampled``, 1 epoch) and the DGL script (:func:`dgl_script`, run by ``--dgl-python``),
-each in its own process. Per phase (load, training, evaluation) the time and two memory peaks: the machine's
-used memory over its value before, and the PSS summed over the run's process tree (its Ray cluster included).
+``python -m bench.products`` writes an ogbn-products-shaped graph directory, then runs the job and
+:func:`dgl_script`, each in its own process; per phase (load, training, evaluation) the time, and the peaks of
+the machine's used memory over its value before and of the PSS summed over the run's process tree.
 """
 
 from __future__ import annotations
@@ -23,14 +21,15 @@ import numpy as np
 
 from bench.harness import REPO, RESULTS, Row, child_env, emit, report, write_json
 
-SPLIT = (196_615, 39_323, 48_981)  # ogbn-products' train / valid / test, of 2,449,029 nodes
+# ogbn-products' shape: nodes, average degree, classes, train / valid / test; 100 random features.
+NODES, AVG_DEGREE, CLASSES, SPLIT, FEAT = 2_449_029, 50, 47, (196_615, 39_323, 48_981), 100
 MARK = "PHASE "
 # What jobs/train_arxiv.py sets before pyarrow loads; both loaders get it, so the comparison is of the builds.
 ARROW_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system"}
 
 
-def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0) -> None:
-    """``--dataset synthetic``'s graph as a graph directory, with a products-like split (no features)."""
+def write_graph(out: Path, seed: int = 0) -> None:
+    """``--dataset synthetic``'s graph of products' shape as a graph directory, with products' split (no features)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -39,17 +38,15 @@ def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0)
     if (out / "meta.json").is_file():
         return
     out.mkdir(parents=True, exist_ok=True)
-    p = synthetic_parts(n, classes, 1, avg_degree, seed)
+    p = synthetic_parts(NODES, CLASSES, 1, AVG_DEGREE, seed)
     pq.write_table(pa.table({"src": p.src.astype(np.int64), "dst": p.dst.astype(np.int64)}), out / "edges.parquet")
-    scale = n / 2_449_029
-    sizes = [int(round(k * scale)) for k in SPLIT]
-    perm = np.random.default_rng(seed).permutation(n)
-    split = np.full(n, "none", dtype=object)
-    for name, lo, hi in zip(("train", "valid", "test"), np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes)):
+    perm = np.random.default_rng(seed).permutation(NODES)
+    split = np.full(NODES, "none", dtype=object)
+    for name, lo, hi in zip(("train", "valid", "test"), np.cumsum([0, *SPLIT[:-1]]), np.cumsum(SPLIT)):
         split[perm[lo:hi]] = name
-    pq.write_table(pa.table({"id": np.arange(n, dtype=np.int64), "label": p.label.astype(np.int64),
+    pq.write_table(pa.table({"id": np.arange(NODES, dtype=np.int64), "label": p.label.astype(np.int64),
                              "split": split.astype(str)}), out / "nodes.parquet")
-    (out / "meta.json").write_text(json.dumps({"num_nodes": n, "num_classes": classes, "name": "products-sized"}))
+    (out / "meta.json").write_text(json.dumps({"num_nodes": NODES, "num_classes": CLASSES, "name": "products-sized"}))
 
 
 class Memory:
@@ -108,10 +105,10 @@ def watched(cmd: list, env: dict, what: str) -> tuple:
     return lines, start, end, mem
 
 
-def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dict:
+def run_gnnray(graph_dir: Path, work: Path, extra: tuple = ()) -> dict:
     name = f"products-{int(time.time())}"
     argv = [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), "--dataset", str(graph_dir),
-            "--random-features", str(feat), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1",
+            "--random-features", str(FEAT), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1",
             "--model", "sage", "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024", "--eval", "sampled",
             "--epochs", "1", "--storage-path", str(work), "--name", name, *extra]
     lines, start, end, mem = watched(argv, {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "gnnray")
@@ -137,8 +134,8 @@ def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dic
                 output=[text for _, text in lines if not text.startswith("(")][-12:])
 
 
-def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
-    spec = json.dumps(dict(graph=str(graph_dir), feat=feat))
+def run_dgl(graph_dir: Path, python: str = sys.executable) -> dict:
+    spec = json.dumps(dict(graph=str(graph_dir), feat=FEAT))
     lines, start, end, mem = watched([python, "-m", "bench.products", "--dgl-script", spec], ENV, "the DGL script")
     marks = {text[len(MARK):]: t for t, text in lines if text.startswith(MARK)}
     result = json.loads([text for _, text in lines if text.startswith("RESULT ")][-1][len("RESULT "):])
@@ -211,10 +208,6 @@ def dgl_script(spec: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=2_449_029)
-    ap.add_argument("--avg-degree", type=int, default=50)
-    ap.add_argument("--classes", type=int, default=47)
-    ap.add_argument("--feat", type=int, default=100)
     ap.add_argument("--workdir", default="/tmp/gnnray-products")
     ap.add_argument("--json", default=str(RESULTS / "products.json"))
     ap.add_argument("--ours", default="", help="more options for gnnray's run, as one string (e.g. '--eval-rows "
@@ -230,23 +223,23 @@ def main(argv=None) -> int:
     import psutil
 
     work = Path(args.workdir)
-    graph_dir = work / f"graph-{args.nodes}-{args.avg_degree}-{args.classes}"
+    graph_dir = work / f"graph-{NODES}-{AVG_DEGREE}-{CLASSES}"
     start = time.perf_counter()
-    write_graph(graph_dir, args.nodes, args.avg_degree, args.classes)
+    write_graph(graph_dir)
     print(f"graph directory {graph_dir} ({time.perf_counter() - start:.0f}s)", flush=True)
     load = os.getloadavg()
-    ours = run_gnnray(graph_dir, work, args.feat, tuple(args.ours.split()))
+    ours = run_gnnray(graph_dir, work, tuple(args.ours.split()))
     if args.ours_only:
         write_json(args.json, dict(gnnray=ours, loadavg_before=load, loadavg_after=os.getloadavg()))
         print(json.dumps(dict(whole_s=ours["whole_s"], eval_time=ours["sampled_eval_s"],
                               tree_peak_gb=ours["tree_peak_gb"], at_tree_peak=ours["at_tree_peak"]), indent=1))
         return 0
-    dgl = run_dgl(graph_dir, args.feat, args.dgl_python)
+    dgl = run_dgl(graph_dir, args.dgl_python)
     ratio = {k: ours[k] / dgl[k] for k in ("whole_s", "load_s", "train_s", "eval_s")}
     ratio["peak_whole"] = ours["peak_gb"]["whole"] / dgl["peak_gb"]["whole"]
     ratio["tree_peak_whole"] = ours["tree_peak_gb"]["whole"] / dgl["tree_peak_gb"]["whole"]
-    out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree, classes=args.classes,
-                          feat=args.feat, split=SPLIT), gnnray=ours, dgl_script=dgl, ratio=ratio,
+    out = dict(graph=dict(dir=str(graph_dir), nodes=NODES, avg_degree=AVG_DEGREE, classes=CLASSES, feat=FEAT,
+                          split=SPLIT), gnnray=ours, dgl_script=dgl, ratio=ratio,
                machine=dict(cpus=os.cpu_count(), memory_gb=psutil.virtual_memory().total / 1e9),
                loadavg_before=load, loadavg_after=os.getloadavg())
     rows = [Row(k, ours=f"{ours[k]:.1f}", baseline=f"{dgl[k]:.1f}", ratio=f"{ratio[k]:.2f}x", target="-", met="-")

@@ -1,9 +1,8 @@
 """Sampling seeds/s: gnnray's sampler against GraphBolt's, the sampler it replaced, on the same cores.
 
-``python -m bench.sampling [--threads 1 2] [--batches 60]``: both sample the same seeds in this process, turns
-alternating; medians over batches of 1024 seeds, on the arxiv structure (fanouts 10,10,10) and a products-sized
-synthetic graph (15,10,5). GraphBolt's side needs the dgl extra's environment. Also the numba kernels' compile
-into an empty cache and load from it.
+``python -m bench.sampling [--threads 1 2] [--batches 60]``: both sample the same seeds, turns alternating, on the
+arxiv structure and a products-sized synthetic graph (GraphBolt's side needs the dgl extra's environment); also
+the numba kernels' compile into an empty cache and load from it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Start-up: seconds from the command to the first training step, and when each part of the way ends.
 
-``python -m bench.startup [--runs N] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` (default
-``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval sampled``) in a new process starting
-a new local cluster; the milestones come from what a run leaves anyway: its graph line, Ray's session logs
-(driver, raylet, workers, Ray Train's and Ray Data's logs) and rank 0's progress file.
+``python -m bench.startup [--runs N] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` in a new process
+starting a new local cluster; the milestones come from its graph line, Ray's session logs and rank 0's progress file.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ def _log_time(text: str) -> float:
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-_BRACKETED = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
-_PLAIN = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+_STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")  # Ray's logs: bracketed; Ray Data's: plain
 
 
 def _lines(path: str) -> list[str]:
@@ -61,10 +58,10 @@ def _lines(path: str) -> list[str]:
         return []
 
 
-def _first(path: str, needle: str = "", pattern: re.Pattern = _BRACKETED) -> Optional[float]:
-    """Time of the first timestamped line of ``path`` containing ``needle``."""
-    return next((_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [pattern.match(line)]
-                 if m), None)
+def _first(path: str, needle: str = "", after: float = 0.0) -> Optional[float]:
+    """Time of the first line of ``path`` stamped at ``after`` or later and containing ``needle``."""
+    times = (_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [_STAMP.match(line)] if m)
+    return next((t for t in times if t >= after), None)
 
 
 def _json_first(paths: list[str], needle: str = "", head: int = 0) -> Optional[float]:
@@ -89,7 +86,7 @@ def worker_processes(logs: str, job_hex: str) -> list[dict]:
     launched = {}
     for line in _lines(os.path.join(logs, "raylet.out")):
         m = re.search(r"Started worker process with pid (\d+)", line)
-        t = _BRACKETED.match(line)
+        t = _STAMP.match(line)
         if m and t:
             launched[int(m.group(1))] = _log_time(t.group(1))
     out = []
@@ -115,19 +112,12 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
     controller = glob.glob(os.path.join(logs, "train", "ray-train-sys-controller-*.log"))
     workers = glob.glob(os.path.join(logs, "train", "ray-train-sys-worker-*.log"))
     data_log = os.path.join(logs, "ray-data", "ray-data.log")
-    start = stdout_times.get("start", 0.0)
-
-    def data(needle: str) -> Optional[float]:
-        times = [_log_time(m.group(1)) for line in _lines(data_log) if needle in line
-                 for m in [_PLAIN.match(line)] if m]
-        return min((t for t in times if t >= start), default=None)
-
     times = {
         "graph_line": stdout_times.get("graph"),
         "ray_connected": _first(driver_log, "Initializing worker at address"),
         "controller_launched": actor("TrainController", "launched"),
         "controller_running": _json_first(controller, head=1),
-        "stream_started": data("Starting epoch 0"),
+        "stream_started": _first(data_log, "Starting epoch 0", stdout_times.get("start", 0.0)),
         "sampler_ready": actor("MapWorker", "constructed"),
         "worker_group_started": _json_first(controller, "Started training worker group"),
         "train_fn_launched": _json_first(workers, "Launching training function"),

@@ -1,8 +1,7 @@
 """The sharding section's gathers: the object store per node, remote rows per batch and the cache hit rate.
 
-Probe actors pinned to nodes read features as a train worker does (``reader_for``, one gather each); the
-job's objects' locations give the bytes on each node. The K = 1 reader on the head runs before and after each
-configuration: the baseline is the mean of the two.
+Probe actors pinned to nodes read features as a train worker does; the K = 1 reader on the head runs before and
+after each configuration, and the baseline is the mean of the two.
 """
 
 from __future__ import annotations

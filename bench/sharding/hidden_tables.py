@@ -1,10 +1,9 @@
 """Layer-wise inference's hidden tables: each node's store peak, sharded (K = 3) against unsharded (K = 1).
 
 ``python -m bench.sharding.hidden_tables [--quick] [--stores]`` (also a stage of ``python -m bench --sharding``):
-three ranks, one pinned on each node of a simulated cluster, call ``train.layerwise.infer`` as train workers do,
-on stores with room for K = 1's whole tables and on stores with room for K = 3's ranges only; each figure is a
-node's largest store reading while they run less the one before, beside 2 x table / K. ``--stores``: each
-node's whole store use (its metrics endpoint), layer-wise against sampled evaluation.
+a rank on each node of a simulated cluster runs ``train.layerwise.infer``, on stores with room for K = 1's whole
+tables and on stores with room for K = 3's ranges only. ``--stores``: each node's whole store use, layer-wise
+against sampled evaluation.
 """
 
 from __future__ import annotations
