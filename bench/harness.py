@@ -142,6 +142,9 @@ def _plain(o):
 
 
 def write_json(path, result: dict) -> None:
+    """``result`` as JSON at ``path``; nothing without a path."""
+    if not path:
+        return
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=1, default=_plain))
 
@@ -149,8 +152,7 @@ def write_json(path, result: dict) -> None:
 def report(rows: list[Row], path, note: str = "", **result) -> int:
     """Print ``note`` and the table; write the rows and ``result`` to ``path``; 1 if a row is an error."""
     print((note + "\n" if note else "") + format_table(rows), flush=True)
-    if path:
-        write_json(path, dict(result, rows=[dataclasses.asdict(r) for r in rows], load_avg=os.getloadavg()))
+    write_json(path, dict(result, rows=[dataclasses.asdict(r) for r in rows], load_avg=os.getloadavg()))
     return 1 if any(r.met == "error" for r in rows) else 0
 
 

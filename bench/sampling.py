@@ -123,8 +123,7 @@ def main(argv=None) -> int:
             print(line, flush=True)
             results.append(row)
         del graph
-    if args.json:
-        write_json(args.json, dict(load_avg=os.getloadavg(), compile=compiled, results=results))
+    write_json(args.json, dict(load_avg=os.getloadavg(), compile=compiled, results=results))
     return 0
 
 

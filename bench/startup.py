@@ -135,7 +135,7 @@ class CpuWatch:
         self._seen: dict[int, float] = {}
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
-        self._busy0, self._self0 = machine_busy_s(), _own_cpu_s()
+        self._busy0, self._self0 = machine_busy_s(), sum(os.times()[:2])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -160,13 +160,8 @@ class CpuWatch:
         self._stop.set()
         self._thread.join()
         mine = sum(self._seen.values())
-        watching = _own_cpu_s() - self._self0  # this process's polling, not the others'
+        watching = sum(os.times()[:2]) - self._self0  # this process's polling, not the others'
         return mine, max(0.0, machine_busy_s() - self._busy0 - mine - watching)
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def _process_name(cmd: str) -> str:
@@ -244,28 +239,24 @@ def table(medians: dict, runs: int) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="runs (each a new process and a new cluster)")
     p.add_argument("--json", default=None, help="also write every run's milestones and processes here")
     p.add_argument("--label", default="", help="a note stored with the results (e.g. what was changed)")
+    p.add_argument("job", nargs="*", help="after --: the job's options, after its defaults")
     args = p.parse_args(argv)
-
     workdir = tempfile.mkdtemp(prefix="gnnray-startup-")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_TMPDIR"] = workdir
     runs = []
     for i in range(args.runs):
-        runs.append(run_once(DEFAULT_OPTIONS + extra, env, workdir, f"startup{i}"))
+        runs.append(run_once(DEFAULT_OPTIONS + args.job, env, workdir, f"startup{i}"))
         m = runs[-1]["milestones"]
         print(f"run {i}: first_step={m['first_step']}s others_share={runs[-1]['others_share']} "
               + " ".join(f"{k}={v}" for k, v in m.items() if k != "first_step"), flush=True)
     print(table(summary(runs), len(runs)))
-    if args.json:
-        write_json(args.json, dict(label=args.label, options=DEFAULT_OPTIONS + extra, runs=runs,
-                                   median=summary(runs), load=os.getloadavg()))
+    write_json(args.json, dict(label=args.label, options=DEFAULT_OPTIONS + args.job, runs=runs, median=summary(runs),
+                               load=os.getloadavg()))
     return 0
 
 

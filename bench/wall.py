@@ -123,7 +123,8 @@ def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, ro
     }
     for name, w in DGL_LOADERS.items():
         runs[name] = lambda w=w: dgl(one, s.cores, w)
-    return {k: v for k, v in runs.items() if not s.wall_only or k in chosen(s)}
+    wanted = {SHORT_NAMES[n] or ddp_name(s) for n in s.wall_only}
+    return {k: v for k, v in runs.items() if not s.wall_only or k in wanted}
 
 
 ONE, OFF = "ours, 1 worker", "ours, 1 worker, --cpu-plan off"
@@ -133,10 +134,6 @@ SHORT_NAMES = {"ours": ONE, "off": OFF, "ddp": None, "dgl0": "DGL num_workers=0"
 
 def ddp_name(s: Settings) -> str:
     return f"ours, {s.ddp_workers} DDP workers"
-
-
-def chosen(s: Settings) -> set:
-    return {SHORT_NAMES[n] or ddp_name(s) for n in s.wall_only}
 
 
 def bench_wall(data: DataConfig, s: Settings, workdir: Path, train_seeds: int) -> list[Row]:

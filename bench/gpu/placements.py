@@ -1,11 +1,8 @@
 """The job's steady step against the ceiling, per ``--feature-placement``: ``python -m bench.gpu.placements``.
 
-For each graph (arxiv structure, fanouts 10,10,10; the products-shaped graph, fanouts 15,10,5) and each
-``--feature-placement``/``--sample-on`` row (``auto/auto`` is what a user gets), a whole Ray job
-(``jobs/train_arxiv.py``, one train worker): its steady step (median epoch after the first / steps) and
-``data_wait`` from ``metrics.jsonl``, against the ceiling measured in the same call: model + loss + Adam over
-sampled batches of the same graph already on the device (``stages.ceiling_s``). ``--smoke``: tiny sizes on the
-CPU, a check that it runs.
+For each graph and ``--feature-placement``/``--sample-on`` row, a whole Ray job (``jobs/train_arxiv.py``, one
+train worker): its steady step and ``data_wait`` from ``metrics.jsonl``, against the ceiling measured in the same
+call (``stages.ceiling_s``). ``--smoke``: tiny sizes on the CPU, a check that it runs.
 """
 
 from __future__ import annotations

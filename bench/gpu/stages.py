@@ -1,10 +1,8 @@
 """Where a GPU step's data time goes, stage by stage, at products shape: ``python -m bench.gpu.stages``.
 
-Per batch of the products-shaped graph (fanouts 15,10,5), median over ``--batches`` after a warm-up: sampling
-on one core (a sampler actor) and on the device; the features gathered on the host and copied, gathered on the
-device, and read over PCIe from registered read-only pages (``uva``, uncached and a quarter cached; rows checked
-against the host gather); and the ceiling, model + loss + Adam over the batches already on the device, eager
-and replayed from a CUDA graph (``compute, captured``). ``--smoke`` runs tiny sizes on the CPU.
+Per batch, medians: sampling on one core and on the device; the features gathered on the host and copied,
+gathered on the device and read over PCIe (``uva``); and the ceiling, model + loss + Adam over the batches already
+on the device, eager and captured. ``--smoke`` runs tiny sizes on the CPU.
 """
 
 from __future__ import annotations

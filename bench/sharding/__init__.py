@@ -1,8 +1,6 @@
-"""``python -m bench --sharding [--quick]``: the feature table split over nodes (``--feature-shards K``).
-
-On a simulated cluster (``cluster.py``: a head and 3 nodes, each with its own object store), each against K = 1:
-store per node, remote rows, gather time and cache hits (``gathers.py``); the driver's memory (``driver.py``);
-layer-wise inference's hidden tables (``hidden_tables.py``).
+"""``python -m bench --sharding [--quick]``: the feature table split over nodes (``--feature-shards K``), on a
+simulated cluster (``cluster.py``), each against K = 1: store per node, remote rows, gather time and cache hits
+(``gathers.py``); the driver's memory (``driver.py``); layer-wise inference's hidden tables (``hidden_tables.py``).
 """
 
 from __future__ import annotations

@@ -186,13 +186,6 @@ def runs_on(ss: ShardSettings, data, store_mib: int, plan: tuple, layers: int, h
     return runs
 
 
-def on_cluster(ss: ShardSettings, data, store_mib: int, verbose: bool) -> dict:
-    """K = 3 then K = 1, inference on the same nodes, by K."""
-    k = max(ss.shards)
-    return runs_on(ss, data, store_mib, ((k, k, False), (1, 1, False)), ss.infer_layers, ss.infer_hidden, verbose,
-                   chunk=ss.infer_chunk, poll_s=ss.poll_s)
-
-
 def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]:
     """K = 3 against K = 1 on stores of ``store_mib`` and of ``infer_store_mib``: store peaks, spills, the
     servers' counts, predictions."""
@@ -200,18 +193,19 @@ def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[R
 
     k = max(ss.shards)
     widths = [ss.infer_hidden] * (ss.infer_layers - 1)
-    roomy = on_cluster(ss, data, ss.store_mib, verbose)
-    tight = on_cluster(ss, data, ss.infer_store_mib, verbose)
+    # K = 3 then K = 1, inference on the same nodes, on each size of store.
+    clusters = {store: runs_on(ss, data, store, ((k, k, False), (1, 1, False)), ss.infer_layers, ss.infer_hidden,
+                               verbose, chunk=ss.infer_chunk, poll_s=ss.poll_s)
+                for store in (ss.store_mib, ss.infer_store_mib)}
+    roomy, tight = clusters[ss.store_mib], clusters[ss.infer_store_mib]
     n = roomy[k]["pred"].shape[0]
     table = n * ss.infer_hidden * 4 / MIB
     formula = {k: hidden_nbytes(n, widths, k) / MIB, 1: len(widths) * table}
-    agree = {store: float(np.mean(runs[k]["pred"] == runs[1]["pred"]))
-             for store, runs in ((ss.store_mib, roomy), (ss.infer_store_mib, tight))}
+    agree = {store: float(np.mean(runs[k]["pred"] == runs[1]["pred"])) for store, runs in clusters.items()}
     out["layerwise"] = dict(nodes=n, layers=ss.infer_layers, hidden=ss.infer_hidden, chunk=ss.infer_chunk,
                             table_mib=table, formula_mib=formula, pred_agree=agree, runs={
                                 store: {shards: {key: v for key, v in r.items() if key != "pred"}
-                                        for shards, r in runs.items()}
-                                for store, runs in ((ss.store_mib, roomy), (ss.infer_store_mib, tight))})
+                                        for shards, r in runs.items()} for store, runs in clusters.items()})
 
     def most(runs: dict, shards: int, field: str) -> float:
         return max(runs[shards]["mib"][field].values())
@@ -256,22 +250,17 @@ def bench_stores(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]
     """The store run on ``stores_store_mib`` stores: K = 3 sampled, then layer-wise evaluation, then K = 1's
     layer-wise predictions; each node's whole store use at its peak (metrics every ``metrics_s``)."""
     import os
+    from unittest import mock
 
     from gnnray.store.shards import hidden_nbytes
 
     k = max(ss.shards)
-    interval = os.environ.get("RAY_metrics_report_interval_ms")
-    os.environ["RAY_metrics_report_interval_ms"] = str(int(ss.metrics_s * 1000))  # the cluster's processes read it
-    try:
+    # The cluster's processes read the metrics' interval from the environment it starts with.
+    with mock.patch.dict(os.environ, RAY_metrics_report_interval_ms=str(int(ss.metrics_s * 1000))):
         runs = runs_on(ss, data, ss.stores_store_mib, (("sampled", k, True), ("layerwise", k, False),
                                                        ("layerwise K=1", 1, False)), ss.stores_layers,
                        ss.stores_hidden, verbose, chunk=ss.stores_chunk, poll_s=ss.metrics_s, read=metrics_store_bytes,
                        fields=(METRICS,))
-    finally:
-        if interval is None:
-            os.environ.pop("RAY_metrics_report_interval_ms", None)
-        else:
-            os.environ["RAY_metrics_report_interval_ms"] = interval
     n = runs["layerwise"]["pred"].shape[0]
     table = n * ss.stores_hidden * 4 / MIB
     bound = 2 * table / k  # the tables of two layers' ranges; with 2 layers one table's range, at most
@@ -320,8 +309,7 @@ def main(argv=None) -> int:
               f"{ss.worker_nodes} nodes", flush=True)
         rows = (bench_stores if args.stores else bench_layerwise)(ss, data, args.verbose, out)
     print(format_table(rows), flush=True)
-    if args.json:
-        write_json(args.json, dict(graph=info, settings=dataclasses.asdict(ss), **out))
+    write_json(args.json, dict(graph=info, settings=dataclasses.asdict(ss), **out))
     return 0 if all(r.met != "NO" for r in rows) else 1
 
 
