@@ -1,7 +1,6 @@
 """gnnray's benchmarks, each against a baseline run beside it; docs/performance.md has the figures.
 
-``python -m bench`` (or ``bench/benchmark.py``; ``suite.py``) runs the stages ``gpu`` (``gpu/overlap.py``: the
-prefetch overlap, on a GPU) and ``wall`` (``wall.py``: whole runs against the DGL loop, ``dgl_loop.py``; CPU per
+``python -m bench`` (``suite.py``) runs ``wall.py``: whole runs against the DGL loop (``dgl_loop.py``; CPU per
 process, ``cpu.py``); ``--sharding`` runs ``sharding/`` instead. Run alone (``python -m bench.NAME``):
 ``sampling``, ``startup``, ``models``, ``products``, ``gather``, ``storage``, ``beside_shards``,
 ``sharding.hidden_tables``, ``gpu``, ``gpu.stages``, ``gpu.placements``; ``gpu_run.sh`` is one pass on a GPU

@@ -19,7 +19,7 @@ GROUPS = {
     "sampler actors": ("SamplerActor",),
     "Ray Data coordinator": ("SplitCoordinator",),
     "Ray Train actors": ("TrainController", "TrainStateActor", "PlacementGroupCleaner", "ray::_"),
-    "driver": ("train_arxiv.py", "bench.dgl_loop", "bench/benchmark.py", "-m bench"),
+    "driver": ("train_arxiv.py", "bench.dgl_loop", "-m bench"),
     # Then the rest of Ray: its daemons and other workers (idle, IDLE prestarted, metrics).
     "Ray daemons": ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "ray::", "ray/"),
 }

@@ -7,6 +7,7 @@ starting a new local cluster; the milestones come from its graph line, Ray's ses
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import glob
 import json
@@ -19,6 +20,7 @@ import tempfile
 import threading
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Optional
 
 from bench.cpu import machine_busy_s, tree
@@ -35,8 +37,6 @@ MILESTONES = {
     "ray_connected": "driver connected to Ray (a local cluster: started)",
     "controller_launched": "Ray Train controller process launched (trainer.fit called)",
     "controller_running": "controller running (its first log line)",
-    "stream_started": "sampler stream started (Ray Data's executor, first epoch)",
-    "sampler_ready": "first sampler actor constructed",
     "worker_group_started": "train worker group started",
     "train_fn_launched": "train function launched on the workers",
     "first_step": "first training step done (rank 0's progress file)",
@@ -52,16 +52,13 @@ _STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")  # Ray's logs
 
 
 def _lines(path: str) -> list[str]:
-    try:
-        return open(path, errors="replace").read().splitlines()
-    except OSError:
-        return []
+    return Path(path).read_text(errors="replace").splitlines() if os.path.isfile(path) else []
 
 
-def _first(path: str, needle: str = "", after: float = 0.0) -> Optional[float]:
-    """Time of the first line of ``path`` stamped at ``after`` or later and containing ``needle``."""
-    times = (_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [_STAMP.match(line)] if m)
-    return next((t for t in times if t >= after), None)
+def _first(path: str, needle: str) -> Optional[float]:
+    """Time of the first stamped line of ``path`` containing ``needle``."""
+    return next((_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [_STAMP.match(line)] if m),
+                None)
 
 
 def _json_first(paths: list[str], needle: str = "", head: int = 0) -> Optional[float]:
@@ -82,7 +79,7 @@ def session_logs(tmpdir: str, driver_pid: int) -> Optional[str]:
 
 
 def worker_processes(logs: str, job_hex: str) -> list[dict]:
-    """Every worker process of the job: its actor, when the raylet launched it, registered, constructed it."""
+    """Every worker process of the job: its actor and when the raylet launched it."""
     launched = {}
     for line in _lines(os.path.join(logs, "raylet.out")):
         m = re.search(r"Started worker process with pid (\d+)", line)
@@ -93,11 +90,8 @@ def worker_processes(logs: str, job_hex: str) -> list[dict]:
     for path in glob.glob(os.path.join(logs, f"worker-*-{job_hex}-*.out")):
         pid = int(path.rsplit("-", 1)[1].split(".")[0])
         names = [line.split(":actor_name:", 1)[1] for line in _lines(path) if line.startswith(":actor_name:")]
-        core = glob.glob(os.path.join(logs, f"python-core-worker-*_{pid}.log"))
-        core = core[0] if core else ""
-        out.append(dict(pid=pid, actor=names[0] if names else None, launched=launched.get(pid),
-                        registered=_first(core), constructed=_first(core, "Actor creation task finished")))
-    return sorted(out, key=lambda p: p["launched"] or p["registered"] or 0)
+        out.append(dict(pid=pid, actor=names[0] if names else None, launched=launched.get(pid)))
+    return sorted(out, key=lambda p: p["launched"] or 0)
 
 
 def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optional[float]) -> tuple[dict, list]:
@@ -106,19 +100,17 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
     job_hex = os.path.basename(driver_log).split("-")[3][:8]  # python-core-driver-<job id>ffff..._<pid>.log
     procs = worker_processes(logs, job_hex)
 
-    def actor(prefix: str, key: str) -> Optional[float]:
-        return min((p[key] for p in procs if (p["actor"] or "").startswith(prefix) and p[key]), default=None)
+    def launched(prefix: str) -> Optional[float]:
+        return min((p["launched"] for p in procs if (p["actor"] or "").startswith(prefix) and p["launched"]),
+                   default=None)
 
     controller = glob.glob(os.path.join(logs, "train", "ray-train-sys-controller-*.log"))
     workers = glob.glob(os.path.join(logs, "train", "ray-train-sys-worker-*.log"))
-    data_log = os.path.join(logs, "ray-data", "ray-data.log")
     times = {
         "graph_line": stdout_times.get("graph"),
         "ray_connected": _first(driver_log, "Initializing worker at address"),
-        "controller_launched": actor("TrainController", "launched"),
+        "controller_launched": launched("TrainController"),
         "controller_running": _json_first(controller, head=1),
-        "stream_started": _first(data_log, "Starting epoch 0", stdout_times.get("start", 0.0)),
-        "sampler_ready": actor("MapWorker", "constructed"),
         "worker_group_started": _json_first(controller, "Started training worker group"),
         "train_fn_launched": _json_first(workers, "Launching training function"),
         "first_step": first_step,
@@ -149,11 +141,10 @@ class CpuWatch:
 
     def by_process(self) -> dict[str, float]:
         """CPU seconds per kind of process (a Ray worker by its actor, or ``ray::IDLE``)."""
-        out: dict[str, float] = {}
+        out: collections.Counter = collections.Counter()
         for pid, cpu in self._seen.items():
-            name = self.names.get(pid, "?")
-            out[name] = round(out.get(name, 0.0) + cpu, 2)
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+            out[self.names.get(pid, "?")] += cpu
+        return {name: round(cpu, 2) for name, cpu in out.most_common()}
 
     def stop(self) -> tuple[float, float]:
         """(CPU seconds of the tree, CPU seconds of everything else) since the start."""
@@ -217,17 +208,13 @@ def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: fl
     return dict(milestones=rel, total_s=round(exit_time - start, 2), logs=logs, cpu_s=round(mine_s, 1),
                 cpu_by_process=watch.by_process(),
                 others_cpu_s=round(others_s, 1), others_share=round(others_share, 3),
-                processes=[{**p, **{k: round(p[k] - start, 2) for k in ("launched", "registered", "constructed")
-                                    if p[k]}} for p in procs])
+                processes=[dict(p, launched=p["launched"] and round(p["launched"] - start, 2)) for p in procs])
 
 
 def summary(runs: list[dict]) -> dict:
     """Median of each milestone over ``runs`` (those that reached it)."""
-    out = {}
-    for key in MILESTONES:
-        values = [r["milestones"][key] for r in runs if r["milestones"].get(key) is not None]
-        out[key] = round(statistics.median(values), 2) if values else None
-    return out
+    values = {k: [r["milestones"][k] for r in runs if r["milestones"].get(k) is not None] for k in MILESTONES}
+    return {k: round(statistics.median(v), 2) if v else None for k, v in values.items()}
 
 
 def table(medians: dict, runs: int) -> str:

@@ -1,4 +1,4 @@
-"""``python -m bench`` (``bench/benchmark.py``): the stages on one Ray cluster, each guarded; the table, the JSON."""
+"""``python -m bench``: the whole runs against the DGL loop (or ``--sharding``), each guarded; the table, the JSON."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import time
 from pathlib import Path
 
 import bench
-from bench import gpu, sharding, wall
+from bench import sharding, wall
 from bench.harness import DEFAULT_DATASET, RESULTS, Row, error_row, guarded, machine, report
 from bench.settings import Settings, base_data_config, quick_data_config
 from gnnray.data.load import load_graph
 from gnnray.driver.console import graph_line
 
-STAGES = ("gpu", "wall")
-ORDER = (wall.FIGURE, "GPU", sharding.FIGURE, "setup", "")
+STAGES = ("wall",)
+ORDER = (wall.FIGURE, sharding.FIGURE, "setup", "")
 JSON = str(RESULTS / "benchmark.json")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="bench/benchmark.py", description=bench.__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench", description=bench.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer epochs, short epochs")
     p.add_argument("--json", default=JSON, help="where to write all results")
@@ -75,8 +75,6 @@ def run_figures(args, s: Settings, workdir: Path, result: dict, rows: list[Row])
     result["data"] = dict(config=dataclasses.asdict(data), nodes=graph.num_nodes, edges=graph.num_edges,
                           train=len(graph.train_idx), graph_mib=graph.nbytes / 2**20)
     print(f"{graph_line(graph)}; {s.cores} cores, {result['mode']} mode", flush=True)
-    if "gpu" in args.stages:
-        rows += guarded(gpu.FIGURE, gpu.TARGET, lambda: gpu.bench_gpu(s))
     if "wall" in args.stages:  # whole runs start their own Ray cluster, as a user's run does
         rows += guarded(wall.FIGURE, "", lambda: wall.bench_wall(data, s, workdir, len(graph.train_idx)))
 

@@ -21,7 +21,6 @@ from bench.gpu.models import layerwise_row, model_row
 from bench.gpu.overlap import median_run, prefetch_overlap
 from bench.harness import RESULTS, write_json
 
-FIGURE, TARGET = "GPU prefetch s/batch (overlap)", "<= 1.1 x max(copy, compute)"
 DEFAULT_JSON = RESULTS / "gpu.json"
 
 
@@ -84,18 +83,6 @@ def table(result: dict) -> str:
                     f"ranks' weights differ by {r['weights_max_diff_across_ranks']:g}")
         lines.append(f"{name:<18} {'-' if r['met'] is None else 'ok' if r['met'] else 'NO':<6} {text}")
     return "\n".join(lines)
-
-
-def bench_gpu(s) -> list:
-    """``python -m bench``'s gpu stage: the prefetch row on CUDA; n/a without a GPU."""
-    from bench.harness import Row, verdict
-
-    if not torch.cuda.is_available():
-        return [Row(FIGURE, ours="n/a (no GPU)", baseline="n/a", ratio="-", target=TARGET, met="n/a")]
-    r = prefetch_overlap("cuda", batches=10 if s.quick else 30)
-    return [Row(FIGURE, ours=f"{1000 * r['prefetch_s']:.1f} ms", baseline=f"{1000 * r['serial_s']:.1f} ms serial",
-                ratio=f"{r['serial_s'] / r['prefetch_s']:.2f}x faster", target=TARGET, met=verdict(r["met"]),
-                detail=r)]
 
 
 def main(argv=None) -> int:
