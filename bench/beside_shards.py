@@ -1,11 +1,8 @@
 """Train workers beside their shards: remote rows per batch with and without, and what each node's store holds.
 
-``python -m bench.beside_shards [--quick]``: on a simulated cluster (a head of 4 CPUs, 3 nodes of 2 CPUs and
-300 MiB stores), the sharding section's graph cut to 8 training batches, ``--feature-shards 3``, 2 train
-workers, fanouts 10,10,10, 1 epoch; for ``--feature-cache`` 0 and 0.1, ``fit.run`` as the job places its workers
-(``plans.beside_shards``) against as Ray Train places them alone: each worker's node, rank 0's remote share and
-bytes per batch, the cache hit rate, and each node's bytes of the job's objects. ``--host-memory``: what placing
-features costs a train worker's host memory, before and now (:func:`host_memory`).
+``python -m bench.beside_shards``: ``fit.run`` with ``--feature-shards 3`` and 2 train workers on a simulated
+cluster, placed as the job places them (``plans.beside_shards``) against as Ray Train does. ``--host-memory``:
+what placing features costs a train worker's host memory (:func:`host_memory`).
 """
 
 from __future__ import annotations
@@ -23,13 +20,17 @@ from bench.harness import write_json
 MIB = 2**20
 
 
+def _node(cl, handle, n: str) -> str:
+    shards = {s.node_id: i for i, s in enumerate(handle.features.shards)}
+    return "head" if n == cl.head else f"shard {shards[n]}" if n in shards else n[:8]
+
+
 def _store_layout(cl, handle) -> dict:
     """Per node: bytes of the job's objects there, and the raylet's ``object_store_bytes_used``."""
     from bench.sharding.cluster import bytes_on
 
-    used, shards = cl.raylet_used(), {s.node_id: i for i, s in enumerate(handle.features.shards)}
-    return {("head" if n == cl.head else f"shard {shards[n]}" if n in shards else n[:8]):
-            dict(objects=parts, total=sum(parts.values()), raylet_used=used.get(n))
+    used = cl.raylet_used()
+    return {_node(cl, handle, n): dict(objects=parts, total=sum(parts.values()), raylet_used=used.get(n))
             for n, parts in bytes_on(cl, handle).items()}
 
 
@@ -55,14 +56,10 @@ def run_one(cl, data, cache: float, beside: bool, workdir: Path, hidden: int) ->
     finally:
         launch.load_and_publish, plans.beside_shards = original_publish, original_beside
     handle = published[-1].handle
-    shards = {s.node_id: i for i, s in enumerate(handle.features.shards)}
-    head = cl.head
     workers = [i["Address"]["NodeID"] for aid, i in actor_table().items()
                if aid not in before and "TrainWorker" in i["ActorClassName"]]
     m = summary.metrics
-    result = dict(cache=cache, beside=beside, wall_s=wall_s,
-                  worker_nodes=["head" if w == head else f"shard {shards[w]}" if w in shards else w[:8]
-                                for w in workers],
+    result = dict(cache=cache, beside=beside, wall_s=wall_s, worker_nodes=[_node(cl, handle, w) for w in workers],
                   remote_row_share=m.get("remote_row_share"), cache_hit_rate=m.get("cache_hit_rate"),
                   remote_mib_per_batch=m.get("remote_bytes_per_batch", 0) / MIB,
                   store=_store_layout(cl, handle),
@@ -98,7 +95,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
-def host_memory(table_mib: int, workers: int) -> dict:
+def host_memory(table_mib: int = 1024, workers: int = 2) -> dict:
     """Peak host-memory growth of ``workers`` processes placing one float32 table (128 features a row, in
     /dev/shm as the store's pages are shared memory) at once, before and now."""
     import subprocess
@@ -128,21 +125,16 @@ def host_memory(table_mib: int, workers: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="cache 0.1 only")
     p.add_argument("--json", help="write the results here too")
     p.add_argument("--host-memory", action="store_true", help="host memory of placing features, before and now")
-    p.add_argument("--table-mib", type=int, default=1024, help="--host-memory: the table's size")
-    p.add_argument("--workers", type=int, default=2, help="--host-memory: workers placing at once")
     args = p.parse_args(argv)
     if args.host_memory:
-        result = host_memory(args.table_mib, args.workers)
-        if args.json:
-            write_json(args.json, result)
+        write_json(args.json, host_memory())
         return 0
 
     from bench.sharding.cluster import ShardSettings, SimulatedCluster, graph_dir
 
-    ss = ShardSettings(quick=args.quick, train_batches=8, head_cpus=4, node_cpus=2)
+    ss = ShardSettings(quick=False, train_batches=8, head_cpus=4, node_cpus=2)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -151,7 +143,7 @@ def main(argv=None) -> int:
             data, info = graph_dir(ss, workdir)
             print(f"graph: {info['nodes']:,} nodes, {info['edges']:,} edges ({info['index_dtype']}), "
                   f"{info['feature_mib']:.1f} MiB of features", flush=True)
-            for cache in ((0.1,) if args.quick else (0.0, 0.1)):
+            for cache in (0.0, 0.1):
                 for beside in (True, False):
                     r = run_one(cl, data, cache, beside, workdir, hidden=64)
                     results.append(r)
@@ -166,8 +158,7 @@ def main(argv=None) -> int:
                               f"{'?' if used is None else f'{used / MIB:.2f}'} MiB)", flush=True)
         finally:
             cl.close()
-    if args.json:
-        write_json(args.json, dict(graph=info, load_avg=os.getloadavg(), results=results))
+    write_json(args.json, dict(graph=info, load_avg=os.getloadavg(), results=results))
     return 0
 
 

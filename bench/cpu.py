@@ -1,7 +1,7 @@
 """Where the machine's CPU goes: per-process CPU-seconds from ``/proc``, grouped by what each process is.
 
 The difference of two :func:`snapshot` s is the CPU each group used in between (a process that ended in
-between counts up to the first: the windows are steady epochs); :func:`tree_cpu_s` is a process tree's.
+between counts up to the first: the windows are steady epochs); :func:`tree` lists a process tree's.
 """
 
 from __future__ import annotations
@@ -13,32 +13,20 @@ from typing import Callable, Iterator, Optional
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
-# First match wins: (group, substring of the command line).
-GROUPS = (
-    ("train worker", "RayTrainWorker"),
-    ("sampler actors", "SamplerActor"),
-    ("Ray Data coordinator", "SplitCoordinator"),
-    ("Ray Train actors", "TrainController"),
-    ("Ray Train actors", "TrainStateActor"),
-    ("Ray Train actors", "PlacementGroupCleaner"),
-    ("Ray Train actors", "ray::_"),
-    ("driver", "train_arxiv.py"),
-    ("driver", "bench.dgl_loop"),
-    ("driver", "bench/benchmark.py"),
-    ("driver", "-m bench"),
-    ("Ray daemons", "raylet"),
-    ("Ray daemons", "gcs_server"),
-    ("Ray daemons", "dashboard"),
-    ("Ray daemons", "log_monitor"),
-    ("Ray daemons", "monitor.py"),
-    ("Ray daemons", "runtime_env"),
-    ("Ray daemons", "ray::"),  # other Ray workers (idle, IDLE prestarted, metrics)
-    ("Ray daemons", "ray/"),
-)
+# First match wins, in this order: group, substrings of the command line.
+GROUPS = {
+    "train worker": ("RayTrainWorker",),
+    "sampler actors": ("SamplerActor",),
+    "Ray Data coordinator": ("SplitCoordinator",),
+    "Ray Train actors": ("TrainController", "TrainStateActor", "PlacementGroupCleaner", "ray::_"),
+    "driver": ("train_arxiv.py", "bench.dgl_loop", "-m bench"),
+    # Then the rest of Ray: its daemons and other workers (idle, IDLE prestarted, metrics).
+    "Ray daemons": ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "ray::", "ray/"),
+}
 
 
 def _group(cmdline: str) -> Optional[str]:
-    return next((g for g, key in GROUPS if key in cmdline), None)
+    return next((g for g, keys in GROUPS.items() for key in keys if key in cmdline), None)
 
 
 def machine_busy_s() -> float:
@@ -81,12 +69,6 @@ def tree(roots: list) -> dict:
             out[pid] = procs[pid][1:]
             todo.extend(kids.get(pid, ()))
     return out
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU-seconds of ``root``'s tree (a simulated cluster's processes descend from its driver: the job's CPU
-    alone, whatever else runs on the machine)."""
-    return sum(cpu_s for _, cpu_s in tree([root]).values())
 
 
 def between(before: dict, after: dict) -> dict:

@@ -1,10 +1,6 @@
-"""The whole runs' baseline (:mod:`bench.wall`): the DGL tutorials' training loop in one process.
-
-``DataLoader(g, train_ids, NeighborSampler(fanouts), shuffle=True, num_workers=W)`` (W = 0: sampling between
-steps; W = 1: a forked sampling process per pass), ``feat[input_nodes]``,
-the job's model on DGL's modules (``dgl_models.py``) with Adam; sampled validation each epoch and a sampled test
-at the end, as the job's ``--eval sampled``. ``python -m bench.dgl_loop SPEC`` (JSON: the job's configuration,
-``cores``, ``loader_workers``) runs one whole run and emits its figures.
+"""The whole runs' baseline (:mod:`bench.wall`): the DGL tutorials' training loop in one process, with the job's
+model on DGL's modules, sampled validation each epoch and a sampled test at the end. ``python -m bench.dgl_loop
+SPEC`` (JSON: the job's configuration, ``cores``, ``loader_workers``) runs one whole run and emits its figures.
 """
 
 from __future__ import annotations
@@ -21,8 +17,9 @@ import numpy as np
 from gnnray.config import JobConfig
 from gnnray.data.graph import Graph
 
+
 class DglLoop:
-    """Graph, model, optimizer and loaders of the DGL loop; :meth:`steps` and :meth:`epoch` train."""
+    """Graph, model, optimizer and loaders of the DGL loop; :meth:`epoch` trains."""
 
     def __init__(self, graph: Graph, cfg: JobConfig, loader_workers: int):
         import torch
@@ -62,27 +59,19 @@ class DglLoop:
                 yield (self._feat[input_nodes].to(self.device), self._label[output_nodes].to(self.device),
                        [b.to(self.device) for b in blocks])
 
-    def steps(self) -> Iterator[tuple[int, float]]:
-        """Train without end, epoch after epoch; yield each step's seeds and loss."""
+    def epoch(self) -> dict:
+        """One pass over the training nodes; the job's per-epoch numbers that apply."""
         import torch.nn.functional as F
 
         self._model.train()
-        while True:
-            for x, y, blocks in self._batches(self._train):
-                loss = F.cross_entropy(self._model(blocks, x), y)
-                self._opt.zero_grad()
-                loss.backward()
-                self._opt.step()
-                yield int(y.shape[0]), float(loss)
-
-    def epoch(self) -> dict:
-        """One pass over the training nodes; the job's per-epoch numbers that apply."""
-        steps, seeds, loss = len(self._train), 0, 0.0
-        start, stream = time.perf_counter(), self.steps()
-        for _ in range(steps):
-            n, step_loss = next(stream)
-            seeds, loss = seeds + n, loss + n * step_loss
-        stream.close()
+        steps, seeds, loss, start = len(self._train), 0, 0.0, time.perf_counter()
+        for x, y, blocks in self._batches(self._train):
+            step_loss = F.cross_entropy(self._model(blocks, x), y)
+            self._opt.zero_grad()
+            step_loss.backward()
+            self._opt.step()
+            n = int(y.shape[0])
+            seeds, loss = seeds + n, loss + n * float(step_loss)
         elapsed = time.perf_counter() - start
         return dict(loss=loss / seeds, epoch_time=elapsed, seeds_per_s=seeds / elapsed, steps=steps)
 
@@ -121,11 +110,10 @@ def end_to_end(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from bench.harness import emit
     from gnnray.config import from_dict
 
     spec = json.loads((argv or sys.argv[1:])[0])
-    from bench.harness import emit
-
     emit(end_to_end(from_dict(spec["job"]), spec["cores"], spec["loader_workers"]))
     return 0
 

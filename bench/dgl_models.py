@@ -1,8 +1,4 @@
-"""DGL's modules: the test oracle of the torch models, and the DGL baselines' models (bench/dgl_loop.py).
-
-The train worker imports no DGL (gnnray/models/conv.py); these build what it
-replaced, from the same layers and weights, so tests can compare the numbers.
-"""
+"""DGL's modules, from the same layers and weights: the torch models' test oracle and the DGL baselines' models."""
 
 from __future__ import annotations
 
@@ -16,11 +12,8 @@ from gnnray.models import model as ours
 
 
 def block(layer: Layer):
-    """``layer`` as a DGL block (edge ``k`` is CSC position ``k``; ``etype`` in ``edata``), on its device.
-
-    Explicit edge ids: DGL 2.1's CPU kernel for messages that read edge data
-    (GAT's attention) fails with "Check notnull: edges" without them.
-    """
+    """``layer`` as a DGL block (edge ``k`` is CSC position ``k``; ``etype`` in ``edata``), on its device. Explicit
+    edge ids: DGL 2.1's CPU kernel for edge-data messages (GAT) fails with "Check notnull: edges" without them."""
     eids = torch.arange(layer.indices.shape[0], dtype=layer.indices.dtype, device=layer.indices.device)
     b = dgl.create_block(("csc", (layer.indptr, layer.indices, eids)), num_src_nodes=layer.num_src,
                          num_dst_nodes=layer.num_dst, device=layer.indptr.device)
@@ -42,7 +35,7 @@ def relation_blocks(b, num_relations: int) -> list:
 
 
 class DGLModel(nn.Module):
-    """The former DGL-module model of the same kind and sizes as ``new`` (gnnray before issue 26), same state keys."""
+    """The DGL-module model of the same kind and sizes as ``new``, with the same state keys."""
 
     def __init__(self, new: nn.Module):
         super().__init__()

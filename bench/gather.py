@@ -1,9 +1,7 @@
 """The feature gather and the prefetch overlap against torch's thread count: ``python -m bench.gather``.
 
-Torch and numpy only. ``gather``: ms to gather 100k random rows of a 200k x 128 float32 table into a (pinned, on
-a GPU) buffer with ``np.take(..., out=)`` (the baseline) and with torch's ``index_select`` on 1 to all threads,
-and the pinned copy to the GPU; ``threads``: ``bench.gpu``'s ``prefetch float32`` row (medians of 3) with torch
-on all threads, all but one, and fewer.
+``gather``: 100k rows of a 200k x 128 float32 table by ``np.take`` (the baseline) and by ``index_select``, and the
+pinned copy; ``threads``: ``bench.gpu``'s ``prefetch float32`` row.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The one runner every benchmark uses: side-by-side rounds, medians, the table of ratios, and the JSON.
+"""The runner every benchmark uses: interleaved rounds beside the baseline, medians, the table of ratios, the JSON.
 
-Every baseline runs in the same invocation as ours, interleaved with it (:func:`interleaved`); a figure is a
-median over rounds, the ratio is ours / baseline, and nothing asserts on a time.
-"""
+A figure is a median over rounds, the ratio is ours / baseline, and nothing asserts on a time."""
 
 from __future__ import annotations
 
@@ -115,8 +113,7 @@ def medians(runs: list, *keys: str) -> dict:
 
 
 def median_s(fn: Callable[[], object], reps: int, sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls after one warm-up call, ``sync()`` (a device's queued
-    work) included."""
+    """Median seconds of ``fn()`` over ``reps`` calls after a warm-up one, ``sync()`` (queued work) included."""
     fn()
     times = []
     for _ in range(reps):
@@ -144,19 +141,18 @@ def _plain(o):
         return str(o)
 
 
-def write_json(path, result: dict) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=_plain))
-    return out
+def write_json(path, result: dict) -> None:
+    """``result`` as JSON at ``path``; nothing without a path."""
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1, default=_plain))
 
 
 def report(rows: list[Row], path, note: str = "", **result) -> int:
-    """Print ``note`` and the table; write the rows and ``result`` to ``path``; 1 if a row failed (an error, not
-    a target missed)."""
+    """Print ``note`` and the table; write the rows and ``result`` to ``path``; 1 if a row is an error."""
     print((note + "\n" if note else "") + format_table(rows), flush=True)
-    if path:
-        write_json(path, dict(result, rows=[dataclasses.asdict(r) for r in rows], load_avg=os.getloadavg()))
+    write_json(path, dict(result, rows=[dataclasses.asdict(r) for r in rows], load_avg=os.getloadavg()))
     return 1 if any(r.met == "error" for r in rows) else 0
 
 
@@ -166,7 +162,7 @@ def emit(result: dict) -> None:
 
 
 def run_child(cmd: list, env: Optional[dict] = None, timeout: float = 3600, what: str = "") -> dict:
-    """Run ``cmd`` from the repository root; its last :func:`emit` ted line, with ``process_s``."""
+    """Run ``cmd`` from the repository root; its last :func:`emit` ted figures, with ``process_s``."""
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     found = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
@@ -177,8 +173,8 @@ def run_child(cmd: list, env: Optional[dict] = None, timeout: float = 3600, what
 
 
 def child_env(**extra) -> dict:
-    """A child's environment: this checkout first on the path (another interpreter, the DGL one, imports the
-    bench and gnnray from here), without ``RAY_ADDRESS`` (a user's run starts its own cluster)."""
+    """A child's environment: this checkout first on the path (the DGL interpreter imports bench and gnnray from
+    here), without ``RAY_ADDRESS`` (a user's run starts its own cluster)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": path, **extra}
 
@@ -206,17 +202,17 @@ def threads(n: int):
     """Limit torch's and, where loaded, DGL's OpenMP pools to ``n`` threads (they are separate libgomp copies)."""
     import torch
 
-    dgl = dgl_or_none()
-    before = torch.get_num_threads(), dgl.utils.get_num_threads() if dgl else None
-    torch.set_num_threads(n)
-    if dgl:
-        dgl.utils.set_num_threads(n)
+    pools = [(torch.get_num_threads, torch.set_num_threads)]
+    if (dgl := dgl_or_none()) is not None:
+        pools.append((dgl.utils.get_num_threads, dgl.utils.set_num_threads))
+    before = [get() for get, _ in pools]
+    for _, set_ in pools:
+        set_(n)
     try:
         yield
     finally:
-        torch.set_num_threads(before[0])
-        if dgl:
-            dgl.utils.set_num_threads(before[1])
+        for (_, set_), b in zip(pools, before):
+            set_(b)
 
 
 def machine() -> dict:

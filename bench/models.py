@@ -1,10 +1,7 @@
 """Forward + backward of a batch: the torch models (gnnray/models/conv.py) against DGL's modules, same weights.
 
-``python -m bench.models [--models sage,gcn,...] [--shape arxiv|products] [--huge-pages both]``: one batch's
-layers (arxiv: sampled from the arxiv structure where it is, else random of such a batch's sizes; products:
-random of a products-shaped batch's), each model and its DGL-module twin (``dgl_models.py``, DGL blocks built
-beforehand, as a loader hands them out) in turn, repeat after repeat; medians. DGL's side runs only in the dgl
-extra's environment. ``--huge-pages both``: ours with torch's huge pages against without, in fresh processes.
+``python -m bench.models [--models sage,gcn,...] [--shape arxiv|products] [--huge-pages both]``: each model and its
+DGL twin (``dgl_models.py``, in the dgl extra's environment) in turn on one batch's layers; medians.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The products-sized row: gnnray's whole 1-epoch run against the DGL tutorial script's, side by side.
 
-``python -m bench.products`` writes an ogbn-products-shaped graph directory (``--dataset synthetic``'s
-generator, 2,449,029 nodes, average degree 50, 47 classes, products' split; 100 random features), then runs
-gnnray (``jobs/train_arxiv.py --reverse-edges yes``, 1 worker, 1 sampler actor, SAGE 3 x 256, fanouts 15,10,5,
-``--eval sampled``, 1 epoch) and the DGL script (``--dgl-script``: pyarrow, ``dgl.graph`` with the reverse
-edges, CSC, ``DataLoader``, the tutorial's 3 mean ``SAGEConv`` layers; ``--dgl-python``: its interpreter),
-each in its own process. Per phase (load, training, evaluation, from their output lines) the time and two
-memory peaks: the machine's used memory over its value before, and the PSS summed over the run's process tree
-(its Ray cluster included; shared pages once). ``--load-only``: the structure's load alone, gnnray's
-(``read_graph_dir(...).build(reverse=True)``) against the DGL script's, interleaved ``--repeat`` times.
+``python -m bench.products`` writes an ogbn-products-shaped graph directory, then runs the job and
+:func:`dgl_script`, each in its own process; per phase (load, training, evaluation) the time, and the peaks of
+the machine's used memory over its value before and of the PSS summed over the run's process tree.
 """
 
 from __future__ import annotations
@@ -25,16 +19,17 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import REPO, RESULTS, Row, child_env, emit, interleaved, medians, report, run_child, write_json
+from bench.harness import REPO, RESULTS, Row, child_env, emit, report, write_json
 
-SPLIT = (196_615, 39_323, 48_981)  # ogbn-products' train / valid / test, of 2,449,029 nodes
+# ogbn-products' shape: nodes, average degree, classes, train / valid / test; 100 random features.
+NODES, AVG_DEGREE, CLASSES, SPLIT, FEAT = 2_449_029, 50, 47, (196_615, 39_323, 48_981), 100
 MARK = "PHASE "
 # What jobs/train_arxiv.py sets before pyarrow loads; both loaders get it, so the comparison is of the builds.
 ARROW_ENV = {"ARROW_DEFAULT_MEMORY_POOL": "system"}
 
 
-def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0) -> None:
-    """``--dataset synthetic``'s graph as a graph directory, with a products-like split (no features)."""
+def write_graph(out: Path, seed: int = 0) -> None:
+    """``--dataset synthetic``'s graph of products' shape as a graph directory, with products' split (no features)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -43,17 +38,15 @@ def write_graph(out: Path, n: int, avg_degree: int, classes: int, seed: int = 0)
     if (out / "meta.json").is_file():
         return
     out.mkdir(parents=True, exist_ok=True)
-    p = synthetic_parts(n, classes, 1, avg_degree, seed)
+    p = synthetic_parts(NODES, CLASSES, 1, AVG_DEGREE, seed)
     pq.write_table(pa.table({"src": p.src.astype(np.int64), "dst": p.dst.astype(np.int64)}), out / "edges.parquet")
-    scale = n / 2_449_029
-    sizes = [int(round(k * scale)) for k in SPLIT]
-    perm = np.random.default_rng(seed).permutation(n)
-    split = np.full(n, "none", dtype=object)
-    for name, lo, hi in zip(("train", "valid", "test"), np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes)):
+    perm = np.random.default_rng(seed).permutation(NODES)
+    split = np.full(NODES, "none", dtype=object)
+    for name, lo, hi in zip(("train", "valid", "test"), np.cumsum([0, *SPLIT[:-1]]), np.cumsum(SPLIT)):
         split[perm[lo:hi]] = name
-    pq.write_table(pa.table({"id": np.arange(n, dtype=np.int64), "label": p.label.astype(np.int64),
+    pq.write_table(pa.table({"id": np.arange(NODES, dtype=np.int64), "label": p.label.astype(np.int64),
                              "split": split.astype(str)}), out / "nodes.parquet")
-    (out / "meta.json").write_text(json.dumps({"num_nodes": n, "num_classes": classes, "name": "products-sized"}))
+    (out / "meta.json").write_text(json.dumps({"num_nodes": NODES, "num_classes": CLASSES, "name": "products-sized"}))
 
 
 class Memory:
@@ -99,30 +92,23 @@ class Memory:
         return max((m for t, m in (self.tree if tree else self.samples) if a <= t <= b), default=0) / 1e9
 
 
-def timed_lines(cmd: list, env: dict, mem: "Memory | None" = None) -> tuple[list, float, float, int]:
-    """Run ``cmd`` (``mem`` follows its tree): each output line with its time; start, end, exit code."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if mem is not None:
-        mem.pid = proc.pid
-    lines = [(time.perf_counter(), line.rstrip()) for line in proc.stdout]
-    return lines, start, time.perf_counter(), proc.wait()
-
-
 def watched(cmd: list, env: dict, what: str) -> tuple:
-    """:func:`timed_lines` with :class:`Memory` following the run: lines, start, end and the memory."""
-    mem = Memory()
-    lines, start, end, rc = timed_lines(cmd, env, mem)
+    """Run ``cmd`` with :class:`Memory` following its tree: each output line with its time, start, end, the memory."""
+    mem, start = Memory(), time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mem.pid = proc.pid
+    lines = [(time.perf_counter(), line.rstrip()) for line in proc.stdout]
+    end, rc = time.perf_counter(), proc.wait()
     mem.stop()
     if rc:
         raise RuntimeError(f"{what} exited with {rc}: " + "\n".join(text for _, text in lines[-15:]))
     return lines, start, end, mem
 
 
-def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dict:
+def run_gnnray(graph_dir: Path, work: Path, extra: tuple = ()) -> dict:
     name = f"products-{int(time.time())}"
     argv = [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), "--dataset", str(graph_dir),
-            "--random-features", str(feat), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1",
+            "--random-features", str(FEAT), "--reverse-edges", "yes", "--num-workers", "1", "--sampler-actors", "1",
             "--model", "sage", "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024", "--eval", "sampled",
             "--epochs", "1", "--storage-path", str(work), "--name", name, *extra]
     lines, start, end, mem = watched(argv, {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "gnnray")
@@ -148,8 +134,8 @@ def run_gnnray(graph_dir: Path, work: Path, feat: int, extra: tuple = ()) -> dic
                 output=[text for _, text in lines if not text.startswith("(")][-12:])
 
 
-def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
-    spec = json.dumps(dict(graph=str(graph_dir), feat=feat))
+def run_dgl(graph_dir: Path, python: str = sys.executable) -> dict:
+    spec = json.dumps(dict(graph=str(graph_dir), feat=FEAT))
     lines, start, end, mem = watched([python, "-m", "bench.products", "--dgl-script", spec], ENV, "the DGL script")
     marks = {text[len(MARK):]: t for t, text in lines if text.startswith(MARK)}
     result = json.loads([text for _, text in lines if text.startswith("RESULT ")][-1][len("RESULT "):])
@@ -163,44 +149,35 @@ def run_dgl(graph_dir: Path, feat: int, python: str = sys.executable) -> dict:
 ENV = child_env(**ARROW_ENV)  # the scripts' environment: Arrow's allocator as the job sets it
 
 
-def dgl_graph(path: Path):
-    """The graph directory's structure as the DGL script loads it: pyarrow, ``dgl.graph`` with the reverse
-    edges, CSC."""
-    import dgl
-    import pyarrow.parquet as pq
-    import torch
-
-    n = json.loads((path / "meta.json").read_text())["num_nodes"]
-    edges = pq.read_table(path / "edges.parquet")
-    src, dst = (torch.from_numpy(edges[c].to_numpy()) for c in ("src", "dst"))
-    del edges
-    g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=n)
-    del src, dst
-    g = g.formats("csc")
-    g.create_formats_()
-    return g
-
-
 def dgl_script(spec: dict) -> None:
-    """The DGL tutorial's script on the graph directory: load, one epoch, sampled validation and test."""
+    """The DGL tutorial's script on the graph directory: pyarrow, ``dgl.graph`` with the reverse edges, CSC; three
+    mean ``SAGEConv`` layers with torch's dropout; one epoch, sampled validation and test."""
+    import dgl
     import pyarrow.parquet as pq
     import torch
-
-    import dgl
     import torch.nn.functional as F
 
+    from bench.dgl_models import DGLModel
     from gnnray.config import parse_args
+    from gnnray.models.model import model_for
 
     path = Path(spec["graph"])
     meta = json.loads((path / "meta.json").read_text())
-    g = dgl_graph(path)
+    edges = pq.read_table(path / "edges.parquet")
+    src, dst = (torch.from_numpy(edges[c].to_numpy()) for c in ("src", "dst"))
+    del edges
+    g = dgl.graph((torch.cat([src, dst]), torch.cat([dst, src])), num_nodes=meta["num_nodes"])
+    del src, dst
+    g = g.formats("csc")
+    g.create_formats_()
     nodes = pq.read_table(path / "nodes.parquet").to_pandas()
     label = torch.from_numpy(nodes["label"].to_numpy())
     feat = torch.randn(meta["num_nodes"], spec["feat"])
     ids = {s: torch.from_numpy(np.flatnonzero(nodes["split"].to_numpy() == s)) for s in ("train", "valid", "test")}
     print(MARK + "loaded", flush=True)
     cfg = parse_args(["--model", "sage", "--hidden", "256", "--fanouts", "15,10,5", "--batch-size", "1024"])
-    model = Sage(spec["feat"], 256, meta["num_classes"], dgl.nn.SAGEConv)
+    model = DGLModel(model_for(spec["feat"], meta["num_classes"], cfg))
+    model.dropout = torch.nn.Dropout(0.5)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.train.lr)
     sampler = dgl.dataloading.NeighborSampler([15, 10, 5])
 
@@ -225,113 +202,44 @@ def dgl_script(spec: dict) -> None:
                 right += int((model(blocks, feat[blocks[0].srcdata[dgl.NID]]).argmax(1) == label[out]).sum())
                 total += len(out)
             acc[split] = right / max(total, 1)
-    eval_s = time.perf_counter() - start - train_s
-    emit(dict(train_s=train_s, eval_s=eval_s, val_acc=acc["valid"], test_acc=acc["test"]))
-
-
-def Sage(in_feats: int, hidden: int, classes: int, conv):
-    """The DGL tutorial's GraphSAGE: three mean ``SAGEConv`` layers, ReLU and dropout 0.5 between them."""
-    import torch
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            sizes = [in_feats, hidden, hidden, classes]
-            self.layers = torch.nn.ModuleList(conv(a, b, "mean") for a, b in zip(sizes, sizes[1:]))
-            self.dropout = torch.nn.Dropout(0.5)
-
-        def forward(self, blocks, h):
-            for i, (layer, block) in enumerate(zip(self.layers, blocks)):
-                h = layer(block, h)
-                if i < len(self.layers) - 1:
-                    h = self.dropout(torch.relu(h))
-            return h
-
-    return Model()
-
-
-def load_script(which: str, path: Path) -> None:
-    """Load the graph directory's structure as gnnray or as the DGL script does; print its time and peak RSS."""
-    start = time.perf_counter()
-    if which == "gnnray":
-        from gnnray.data.graph_dir import read_graph_dir
-
-        g = read_graph_dir(path).build(reverse=True)
-        edges = g.num_edges
-    else:
-        edges = dgl_graph(path).num_edges()
-    seconds = time.perf_counter() - start
-    peak = [int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM")][0]
-    emit(dict(load_s=seconds, peak_rss_gb=peak / 1e9, edges=edges))
-
-
-def load_only(graph_dir: Path, repeat: int = 1, dgl_python: str = sys.executable) -> dict:
-    """gnnray's and the DGL script's loads of the structure, each in a process of its own, interleaved ``repeat``
-    times: the medians and their ratios."""
-    def load(which: str):
-        python = dgl_python if which == "dgl" else sys.executable
-        return lambda _: run_child([python, "-m", "bench.products", "--load-script", which, str(graph_dir)], ENV,
-                                   what=f"{which} load")
-
-    runs = interleaved({"gnnray": load("gnnray"), "dgl": load("dgl")}, repeat)
-    keys = ("load_s", "peak_rss_gb", "process_s")
-    out = {which: dict(medians(rs, *keys), edges=rs[0]["edges"], runs=rs) for which, rs in runs.items()}
-    out["ratio"] = {k: out["gnnray"][k] / out["dgl"][k] for k in keys}
-    out["rows"] = [Row(f"structure load: {k}", ours=f"{out['gnnray'][k]:.2f}", baseline=f"{out['dgl'][k]:.2f}",
-                       ratio=f"{out['ratio'][k]:.2f}x", target="-", met="-") for k in keys]
-    return out
+    emit(dict(train_s=train_s, eval_s=time.perf_counter() - start - train_s, val_acc=acc["valid"],
+              test_acc=acc["test"]))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=2_449_029)
-    ap.add_argument("--avg-degree", type=int, default=50)
-    ap.add_argument("--classes", type=int, default=47)
-    ap.add_argument("--feat", type=int, default=100)
     ap.add_argument("--workdir", default="/tmp/gnnray-products")
     ap.add_argument("--json", default=str(RESULTS / "products.json"))
-    ap.add_argument("--load-only", action="store_true", help="only load the structure, gnnray's way and DGL's")
-    ap.add_argument("--repeat", type=int, default=1, help="--load-only: runs of each, interleaved (medians)")
     ap.add_argument("--ours", default="", help="more options for gnnray's run, as one string (e.g. '--eval-rows "
                     "100000000': evaluation batches of --eval-batch-size seeds whatever their rows)")
     ap.add_argument("--ours-only", action="store_true", help="run gnnray's side alone (no DGL, no ratios)")
     ap.add_argument("--dgl-python", default=sys.executable,
                     help="the Python that runs the DGL script (one whose environment has DGL and its torch)")
     ap.add_argument("--dgl-script", help=argparse.SUPPRESS)
-    ap.add_argument("--load-script", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.dgl_script:
         dgl_script(json.loads(args.dgl_script))
         return 0
-    if args.load_script:
-        load_script(args.load_script[0], Path(args.load_script[1]))
-        return 0
     import psutil
 
     work = Path(args.workdir)
-    graph_dir = work / f"graph-{args.nodes}-{args.avg_degree}-{args.classes}"
+    graph_dir = work / f"graph-{NODES}-{AVG_DEGREE}-{CLASSES}"
     start = time.perf_counter()
-    write_graph(graph_dir, args.nodes, args.avg_degree, args.classes)
+    write_graph(graph_dir)
     print(f"graph directory {graph_dir} ({time.perf_counter() - start:.0f}s)", flush=True)
     load = os.getloadavg()
-    if args.load_only:
-        out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree),
-                   **load_only(graph_dir, args.repeat, args.dgl_python), loadavg_before=load,
-                   loadavg_after=os.getloadavg())
-        report(out.pop("rows"), args.json, f"structure load, medians of {args.repeat}", **out)
-        return 0
-    ours = run_gnnray(graph_dir, work, args.feat, tuple(args.ours.split()))
+    ours = run_gnnray(graph_dir, work, tuple(args.ours.split()))
     if args.ours_only:
         write_json(args.json, dict(gnnray=ours, loadavg_before=load, loadavg_after=os.getloadavg()))
         print(json.dumps(dict(whole_s=ours["whole_s"], eval_time=ours["sampled_eval_s"],
                               tree_peak_gb=ours["tree_peak_gb"], at_tree_peak=ours["at_tree_peak"]), indent=1))
         return 0
-    dgl = run_dgl(graph_dir, args.feat, args.dgl_python)
+    dgl = run_dgl(graph_dir, args.dgl_python)
     ratio = {k: ours[k] / dgl[k] for k in ("whole_s", "load_s", "train_s", "eval_s")}
     ratio["peak_whole"] = ours["peak_gb"]["whole"] / dgl["peak_gb"]["whole"]
     ratio["tree_peak_whole"] = ours["tree_peak_gb"]["whole"] / dgl["tree_peak_gb"]["whole"]
-    out = dict(graph=dict(dir=str(graph_dir), nodes=args.nodes, avg_degree=args.avg_degree, classes=args.classes,
-                          feat=args.feat, split=SPLIT), gnnray=ours, dgl_script=dgl, ratio=ratio,
+    out = dict(graph=dict(dir=str(graph_dir), nodes=NODES, avg_degree=AVG_DEGREE, classes=CLASSES, feat=FEAT,
+                          split=SPLIT), gnnray=ours, dgl_script=dgl, ratio=ratio,
                machine=dict(cpus=os.cpu_count(), memory_gb=psutil.virtual_memory().total / 1e9),
                loadavg_before=load, loadavg_after=os.getloadavg())
     rows = [Row(k, ours=f"{ours[k]:.1f}", baseline=f"{dgl[k]:.1f}", ratio=f"{ratio[k]:.2f}x", target="-", met="-")

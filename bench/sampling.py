@@ -1,10 +1,8 @@
 """Sampling seeds/s: gnnray's sampler against GraphBolt's, the sampler it replaced, on the same cores.
 
-``python -m bench.sampling [--threads 1 2] [--batches 60]``; GraphBolt's side (``GraphBoltSampler``: its pick
-plus pandas' ``factorize``) needs the dgl extra's environment, elsewhere gnnray's runs alone. No Ray: both
-sample the same seeds in this process, taking turns batch by batch; medians over batches. Graphs: the arxiv
-structure (fanouts 10,10,10) and a products-sized synthetic graph (``--dataset synthetic`` at 2,449,029 nodes,
-fanouts 15,10,5), 1024 seeds a batch. Also the numba kernels' compile into an empty cache and load from it.
+``python -m bench.sampling [--threads 1 2] [--batches 60]``: both sample the same seeds, turns alternating, on the
+arxiv structure and a products-sized synthetic graph (GraphBolt's side needs the dgl extra's environment); also
+the numba kernels' compile into an empty cache and load from it.
 """
 
 from __future__ import annotations
@@ -125,8 +123,7 @@ def main(argv=None) -> int:
             print(line, flush=True)
             results.append(row)
         del graph
-    if args.json:
-        write_json(args.json, dict(load_avg=os.getloadavg(), compile=compiled, results=results))
+    write_json(args.json, dict(load_avg=os.getloadavg(), compile=compiled, results=results))
     return 0
 
 

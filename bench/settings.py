@@ -1,4 +1,4 @@
-"""What the figures of ``python -m bench`` share: the settings, the graph and its ``--quick`` cut, a job, Ray."""
+"""What the figures of ``python -m bench`` share: the settings, the graph and its ``--quick`` cut, a job."""
 
 from __future__ import annotations
 
@@ -26,22 +26,13 @@ class Settings:
     dropout: float = 0.5
     lr: float = 0.003
     seed: int = 0
-    sampler_batches: int = 400  # the sampler stage: batches per configuration, the first skipped, rounds
-    sampler_warmup: int = 32
-    sampler_rounds: int = 3
     epochs: int = 4  # a job's epochs (steady: all but the first and the last)
     workers: int = 1  # Ray Train workers; they share the cores (trainer_cpus)
     samplers: int = 1  # sampler actors in the pool
-    max_ahead: int = SamplerConfig().max_ahead  # --max-ahead of every stream and job
     ddp_workers: int = 2  # the whole runs' DDP configuration
-    fast_fanouts: tuple = (15, 10)  # the fast trainer: a step about as long as sampling a batch
-    fast_hidden: int = 32
-    fast_epochs: int = 4  # at least 3
     wall_epochs: tuple = (1, 4)  # whole runs: a short and a longer run; their difference is steady state
     wall_repeats: int = 3  # interleaved rounds; each figure is their median
     wall_only: tuple = ()  # wall.SHORT_NAMES of the configurations to run (empty: all)
-    memory_batches: int = 4  # batches each memory probe samples before it is measured
-    memory_processes: tuple = (1, 2, 4)
     quick_train_batches: int = 20  # --quick: training/validation/test nodes kept, in batches
     quick_eval_batches: int = 2
 
@@ -61,7 +52,7 @@ def job_config(data: DataConfig, s: Settings, workdir: Path, name: str = "bench"
     return JobConfig(
         data=data,
         sampler=SamplerConfig(fanouts=tuple(s.fanouts), batch_size=s.batch_size, actors=(s.samplers,),
-                              cpus_per_actor=1.0, max_ahead=s.max_ahead),
+                              cpus_per_actor=1.0),
         model=ModelConfig(hidden=s.hidden, dropout=s.dropout),
         train=TrainConfig(epochs=s.epochs, lr=s.lr, num_workers=s.workers, use_gpu=torch.cuda.is_available(),
                           eval="sampled", trainer_threads=s.trainer_cpus if s.cores < node_cores() else 0),
@@ -113,21 +104,3 @@ def quick_data_config(graph, s: Settings, workdir: Path) -> DataConfig:
     (out / "meta.json").write_text(json.dumps({"num_nodes": n, "num_classes": graph.num_classes,
                                                "name": f"{graph.name}-quick"}))
     return DataConfig(dataset=str(out), reverse_edges=False, random_features=graph.feat_dim)
-
-
-def start_ray(s: Settings, verbose: bool) -> None:
-    """One local cluster for the stages, logical CPUs enough for the largest. The dashboard stays: Ray Train's
-    placement-group cleaner asks its state API whether the controller lives."""
-    import ray
-    import ray.data
-
-    import bench
-    from gnnray import cpus
-    from gnnray.driver.console import quiet_ray
-
-    ray.cloudpickle.register_pickle_by_value(bench)  # the bench's actors and tasks travel by value
-    need = max(s.workers * s.trainer_cpus + s.samplers + 3, max(s.memory_processes) + 1, 3, s.cores)
-    ray.init(address="local", num_cpus=need, log_to_driver=verbose,
-             runtime_env={"env_vars": {"DGLBACKEND": "pytorch", **cpus.JOB_ENV}})  # as the job's own cluster
-    quiet_ray(verbose)
-    ray.data.DataContext.get_current().enable_progress_bars = False

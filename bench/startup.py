@@ -1,22 +1,18 @@
 """Start-up: seconds from the command to the first training step, and when each part of the way ends.
 
-``python -m bench.startup [--runs N] [--join] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` (default
-``--dataset synthetic --epochs 1 --num-workers 1 --sampler-actors 1 --eval sampled``) in a new process with a
-Ray temp dir of its own; the milestones come from what a run leaves anyway: its graph line, Ray's session logs
-(driver, raylet, workers, Ray Train's and Ray Data's logs) and rank 0's progress file. ``--join`` starts one
-head (``ray start --head``, stopped by its processes' ids) and runs against it; its first run, which also pays
-for the head's first job, is left out of the medians.
+``python -m bench.startup [--runs N] [-- JOB OPTIONS]``: each run is ``jobs/train_arxiv.py`` in a new process
+starting a new local cluster; the milestones come from its graph line, Ray's session logs and rank 0's progress file.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import glob
 import json
 import os
 import re
-import secrets
 import statistics
 import subprocess
 import sys
@@ -25,9 +21,9 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-from bench.cpu import machine_busy_s, processes, tree
+from bench.cpu import machine_busy_s, tree
 from bench.harness import REPO, write_json
 
 JOB = REPO / "jobs" / "train_arxiv.py"
@@ -37,12 +33,10 @@ PROGRESS_FILE = ".progress"  # gnnray.run_storage.PROGRESS_FILE, read here witho
 
 # Milestones in the order a run normally reaches them, with what each one means.
 MILESTONES = {
-    "graph_line": "driver printed its graph line (graph loaded; since this change also Ray connected)",
+    "graph_line": "driver printed its graph line (graph loaded, Ray connected)",
     "ray_connected": "driver connected to Ray (a local cluster: started)",
     "controller_launched": "Ray Train controller process launched (trainer.fit called)",
     "controller_running": "controller running (its first log line)",
-    "stream_started": "sampler stream started (Ray Data's executor, first epoch)",
-    "sampler_ready": "first sampler actor constructed",
     "worker_group_started": "train worker group started",
     "train_fn_launched": "train function launched on the workers",
     "first_step": "first training step done (rank 0's progress file)",
@@ -54,21 +48,17 @@ def _log_time(text: str) -> float:
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-_BRACKETED = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
-_PLAIN = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+_STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")  # Ray's logs: bracketed; Ray Data's: plain
 
 
 def _lines(path: str) -> list[str]:
-    try:
-        return open(path, errors="replace").read().splitlines()
-    except OSError:
-        return []
+    return Path(path).read_text(errors="replace").splitlines() if os.path.isfile(path) else []
 
 
-def _first(path: str, needle: str = "", pattern: re.Pattern = _BRACKETED) -> Optional[float]:
-    """Time of the first timestamped line of ``path`` containing ``needle``."""
-    return next((_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [pattern.match(line)]
-                 if m), None)
+def _first(path: str, needle: str) -> Optional[float]:
+    """Time of the first stamped line of ``path`` containing ``needle``."""
+    return next((_log_time(m.group(1)) for line in _lines(path) if needle in line for m in [_STAMP.match(line)] if m),
+                None)
 
 
 def _json_first(paths: list[str], needle: str = "", head: int = 0) -> Optional[float]:
@@ -89,22 +79,19 @@ def session_logs(tmpdir: str, driver_pid: int) -> Optional[str]:
 
 
 def worker_processes(logs: str, job_hex: str) -> list[dict]:
-    """Every worker process of the job: its actor, when the raylet launched it, registered, constructed it."""
+    """Every worker process of the job: its actor and when the raylet launched it."""
     launched = {}
     for line in _lines(os.path.join(logs, "raylet.out")):
         m = re.search(r"Started worker process with pid (\d+)", line)
-        t = _BRACKETED.match(line)
+        t = _STAMP.match(line)
         if m and t:
             launched[int(m.group(1))] = _log_time(t.group(1))
     out = []
     for path in glob.glob(os.path.join(logs, f"worker-*-{job_hex}-*.out")):
         pid = int(path.rsplit("-", 1)[1].split(".")[0])
         names = [line.split(":actor_name:", 1)[1] for line in _lines(path) if line.startswith(":actor_name:")]
-        core = glob.glob(os.path.join(logs, f"python-core-worker-*_{pid}.log"))
-        core = core[0] if core else ""
-        out.append(dict(pid=pid, actor=names[0] if names else None, launched=launched.get(pid),
-                        registered=_first(core), constructed=_first(core, "Actor creation task finished")))
-    return sorted(out, key=lambda p: p["launched"] or p["registered"] or 0)
+        out.append(dict(pid=pid, actor=names[0] if names else None, launched=launched.get(pid)))
+    return sorted(out, key=lambda p: p["launched"] or 0)
 
 
 def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optional[float]) -> tuple[dict, list]:
@@ -113,29 +100,17 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
     job_hex = os.path.basename(driver_log).split("-")[3][:8]  # python-core-driver-<job id>ffff..._<pid>.log
     procs = worker_processes(logs, job_hex)
 
-    def actor(prefix: str, key: str) -> Optional[float]:
-        return min((p[key] for p in procs if (p["actor"] or "").startswith(prefix) and p[key]), default=None)
+    def launched(prefix: str) -> Optional[float]:
+        return min((p["launched"] for p in procs if (p["actor"] or "").startswith(prefix) and p["launched"]),
+                   default=None)
 
     controller = glob.glob(os.path.join(logs, "train", "ray-train-sys-controller-*.log"))
     workers = glob.glob(os.path.join(logs, "train", "ray-train-sys-worker-*.log"))
-    # For a joined cluster the session holds earlier runs too: only this job's records count.
-    controller = [p for p in controller if any(f'"job_id": "{job_hex}"' in line for line in _lines(p)[:3])]
-    workers = [p for p in workers if any(f'"job_id": "{job_hex}"' in line for line in _lines(p)[:3])]
-    data_log = os.path.join(logs, "ray-data", "ray-data.log")
-    start = stdout_times.get("start", 0.0)
-
-    def data(needle: str) -> Optional[float]:
-        times = [_log_time(m.group(1)) for line in _lines(data_log) if needle in line
-                 for m in [_PLAIN.match(line)] if m]
-        return min((t for t in times if t >= start), default=None)
-
     times = {
         "graph_line": stdout_times.get("graph"),
         "ray_connected": _first(driver_log, "Initializing worker at address"),
-        "controller_launched": actor("TrainController", "launched"),
+        "controller_launched": launched("TrainController"),
         "controller_running": _json_first(controller, head=1),
-        "stream_started": data("Starting epoch 0"),
-        "sampler_ready": actor("MapWorker", "constructed"),
         "worker_group_started": _json_first(controller, "Started training worker group"),
         "train_fn_launched": _json_first(workers, "Launching training function"),
         "first_step": first_step,
@@ -144,21 +119,21 @@ def milestones(logs: str, driver_pid: int, stdout_times: dict, first_step: Optio
 
 
 class CpuWatch:
-    """CPU-seconds of a process tree (and ``extra_roots``, a joined head's) and of everything else while it ran,
-    polled every ``every_s`` (a process's last fraction of a period is missed: "others" is slightly high)."""
+    """CPU-seconds of a process tree and of everything else while it ran, polled every ``every_s`` (a process's
+    last fraction of a period is missed: "others" is slightly high)."""
 
-    def __init__(self, root_pid: int, extra_roots: Callable[[], list[int]] = lambda: [], every_s: float = 0.25):
-        self._root, self._extra, self._every = root_pid, extra_roots, every_s
+    def __init__(self, root_pid: int, every_s: float = 0.25):
+        self._root, self._every = root_pid, every_s
         self._seen: dict[int, float] = {}
         self.names: dict[int, str] = {}
         self._stop = threading.Event()
-        self._busy0, self._self0 = machine_busy_s(), _own_cpu_s()
+        self._busy0, self._self0 = machine_busy_s(), sum(os.times()[:2])
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self._every):
-            for pid, (cmd, cpu_s) in tree([self._root, *self._extra()]).items():
+            for pid, (cmd, cpu_s) in tree([self._root]).items():
                 self._seen[pid] = max(self._seen.get(pid, 0.0), cpu_s)
                 name = _process_name(cmd)
                 if name != "ray::IDLE" or pid not in self.names:  # keep the actor it became
@@ -166,24 +141,18 @@ class CpuWatch:
 
     def by_process(self) -> dict[str, float]:
         """CPU seconds per kind of process (a Ray worker by its actor, or ``ray::IDLE``)."""
-        out: dict[str, float] = {}
+        out: collections.Counter = collections.Counter()
         for pid, cpu in self._seen.items():
-            name = self.names.get(pid, "?")
-            out[name] = round(out.get(name, 0.0) + cpu, 2)
-        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+            out[self.names.get(pid, "?")] += cpu
+        return {name: round(cpu, 2) for name, cpu in out.most_common()}
 
     def stop(self) -> tuple[float, float]:
         """(CPU seconds of the tree, CPU seconds of everything else) since the start."""
         self._stop.set()
         self._thread.join()
         mine = sum(self._seen.values())
-        watching = _own_cpu_s() - self._self0  # this process's polling, not the others'
+        watching = sum(os.times()[:2]) - self._self0  # this process's polling, not the others'
         return mine, max(0.0, machine_busy_s() - self._busy0 - mine - watching)
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def _process_name(cmd: str) -> str:
@@ -194,17 +163,15 @@ def _process_name(cmd: str) -> str:
     return " ".join(w for w in words if w and not w.startswith("python"))[:40] or "?"
 
 
-def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900,
-             extra_roots: Callable[[], list[int]] = lambda: []) -> dict:
+def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: float = 900) -> dict:
     """One run of the job; its milestones (seconds since the command) and processes."""
     run_dir = os.path.join(workdir, "runs", name)
     cmd = [sys.executable, str(JOB), *options, "--name", name, "--storage-path", os.path.join(workdir, "runs")]
-    stdout_times: dict = {}
-    first_step: list = []
     start = time.time()
-    stdout_times["start"] = start
+    stdout_times: dict = {"start": start}
+    first_step: list = []
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watch = CpuWatch(proc.pid, extra_roots)
+    watch = CpuWatch(proc.pid)
     output: list[str] = []
 
     def read() -> None:
@@ -241,58 +208,13 @@ def run_once(options: list[str], env: dict, workdir: str, name: str, timeout: fl
     return dict(milestones=rel, total_s=round(exit_time - start, 2), logs=logs, cpu_s=round(mine_s, 1),
                 cpu_by_process=watch.by_process(),
                 others_cpu_s=round(others_s, 1), others_share=round(others_share, 3),
-                processes=[{**p, **{k: round(p[k] - start, 2) for k in ("launched", "registered", "constructed")
-                                    if p[k]}} for p in procs])
-
-
-def wait_until_idle(share: float, patience_s: float = 600) -> float:
-    """Wait (at most ``patience_s``) until at least ``share`` of the CPU was idle over 2 s; the share seen last."""
-    def sample():
-        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        return v[3] + v[4], sum(v)  # idle + iowait, total
-
-    deadline = time.time() + patience_s
-    while True:
-        (i0, t0), _ = sample(), time.sleep(2.0)
-        i1, t1 = sample()
-        if (i1 - i0) / max(1, t1 - t0) >= share or time.time() > deadline:
-            return (i1 - i0) / max(1, t1 - t0)
-
-
-class Head:
-    """A Ray head of our own (``ray start --head``), stopped by its processes' ids, not by ``ray stop``."""
-
-    def __init__(self, tmpdir: str, port: int, dashboard_port: int, num_cpus: int, env: dict):
-        self.tmpdir, self.address, self.env = tmpdir, f"127.0.0.1:{port}", env
-        ray = str(Path(sys.executable).with_name("ray"))
-        subprocess.run([ray, "start", "--head", f"--port={port}", f"--dashboard-port={dashboard_port}",
-                        "--dashboard-host=127.0.0.1", f"--num-cpus={num_cpus}", f"--temp-dir={tmpdir}/ray",
-                        "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
-
-    def pids(self) -> list[int]:
-        """The head's own processes (their children, the workers, are found from them)."""
-        return [pid for pid, (_, cmd, _) in processes().items() if self.tmpdir in cmd and pid != os.getpid()]
-
-    def stop(self) -> None:
-        import psutil
-
-        mine = []
-        for pid in self.pids():
-            with contextlib.suppress(psutil.Error):
-                mine.append(psutil.Process(pid))
-                mine[-1].terminate()
-        for p in psutil.wait_procs(mine, timeout=15)[1]:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+                processes=[dict(p, launched=p["launched"] and round(p["launched"] - start, 2)) for p in procs])
 
 
 def summary(runs: list[dict]) -> dict:
     """Median of each milestone over ``runs`` (those that reached it)."""
-    out = {}
-    for key in MILESTONES:
-        values = [r["milestones"][key] for r in runs if r["milestones"].get(key) is not None]
-        out[key] = round(statistics.median(values), 2) if values else None
-    return out
+    values = {k: [r["milestones"][k] for r in runs if r["milestones"].get(k) is not None] for k in MILESTONES}
+    return {k: round(statistics.median(v), 2) if v else None for k, v in values.items()}
 
 
 def table(medians: dict, runs: int) -> str:
@@ -304,51 +226,24 @@ def table(medians: dict, runs: int) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=3, help="runs (each a new process; a new cluster unless --join)")
-    p.add_argument("--join", action="store_true", help="start one head (ray start --head) and join it")
-    p.add_argument("--port", type=int, default=26379, help="the head's GCS port (--join)")
-    p.add_argument("--dashboard-port", type=int, default=28265, help="the head's dashboard port (--join)")
-    p.add_argument("--num-cpus", type=int, default=4, help="the head's logical CPUs (--join)")
-    p.add_argument("--idle", type=float, default=0.0,
-                   help="before each run wait (up to 10 min) until this share of the CPU is idle, e.g. 0.8 on a "
-                   "shared machine")
+    p.add_argument("--runs", type=int, default=3, help="runs (each a new process and a new cluster)")
     p.add_argument("--json", default=None, help="also write every run's milestones and processes here")
     p.add_argument("--label", default="", help="a note stored with the results (e.g. what was changed)")
+    p.add_argument("job", nargs="*", help="after --: the job's options, after its defaults")
     args = p.parse_args(argv)
-
     workdir = tempfile.mkdtemp(prefix="gnnray-startup-")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_TMPDIR"] = workdir
-    head = None
-    if args.join:
-        # Ray 2.60's `ray start` turns on token authentication when ~/.ray/auth_token exists, and a driver given an
-        # address does not read that file: the same explicit token for the head and the jobs (as test_job_submit).
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-        head = Head(workdir, args.port, args.dashboard_port, args.num_cpus, env)
-        env["RAY_ADDRESS"] = head.address
     runs = []
-    try:
-        for i in range(args.runs):
-            idle = wait_until_idle(args.idle) if args.idle else None
-            r = run_once(DEFAULT_OPTIONS + extra, env, workdir, f"startup{i}", extra_roots=head.pids if head else list)
-            r["idle_before"] = idle
-            runs.append(r)
-            m = r["milestones"]
-            print(f"run {i}: first_step={m['first_step']}s others_share={r['others_share']} "
-                  + " ".join(f"{k}={v}" for k, v in m.items() if k != "first_step"), flush=True)
-    finally:
-        if head:
-            head.stop()
-    # On a joined head the first run also pays for the head's first job (workers, imports): shown apart.
-    later = runs[1:] if args.join and len(runs) > 1 else runs
-    print(table(summary(later), len(later)))
-    if args.json:
-        write_json(args.json, dict(label=args.label, join=args.join, options=DEFAULT_OPTIONS + extra, runs=runs,
-                                   median=summary(later), load=os.getloadavg()))
+    for i in range(args.runs):
+        runs.append(run_once(DEFAULT_OPTIONS + args.job, env, workdir, f"startup{i}"))
+        m = runs[-1]["milestones"]
+        print(f"run {i}: first_step={m['first_step']}s others_share={runs[-1]['others_share']} "
+              + " ".join(f"{k}={v}" for k, v in m.items() if k != "first_step"), flush=True)
+    print(table(summary(runs), len(runs)))
+    write_json(args.json, dict(label=args.label, options=DEFAULT_OPTIONS + args.job, runs=runs, median=summary(runs),
+                               load=os.getloadavg()))
     return 0
 
 

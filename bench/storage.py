@@ -1,11 +1,8 @@
 """A run's largest files in a directory and in an object store: time and peak memory of writing and reading them.
 
-``python -m bench.storage [--rows 1000000] [--rounds 3]``: an embedding owner's checkpoint (``write_rows`` of its
-shard: rows, Adam moments, step counts) and a resume's read of a third of it (``read_rows``), each in a fresh
-process, in a temporary directory, in moto's S3 server on the loopback (``tests/s3_server.py``; not S3: what
-this code path costs on one machine) and, for writes, with pyarrow's default background writes (the baseline
-gnnray turns off), interleaved in rounds; seconds and peak memory above what the process held (medians).
-``--requests``: the requests a whole 3-epoch run (a checkpoint every epoch) makes to the server.
+``python -m bench.storage``: an embedding owner's checkpoint of its shard and a resume's read of a third of it,
+each in a fresh process, in a directory and in moto's S3 server (``tests/s3_server.py``), writes also with
+pyarrow's background writes (the baseline); medians of rounds. ``--requests``: the requests a 3-epoch run makes.
 """
 
 from __future__ import annotations
@@ -13,12 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 
-from bench.harness import REPO, child_env, run_child
+from bench.harness import REPO, child_env, medians, run_child
 
 
 def _measure(kind: str, location: str, rows: int, dim: int, background: bool = False) -> dict:
@@ -132,7 +128,7 @@ def main(argv=None) -> None:
     print(f"{'where':6} {'what':16} {'seconds':>8} {'table MiB':>10} {'extra peak MiB':>15} {'extra/table':>12}")
     for (where, kind), runs in results.items():
         what = "write the shard" if kind == "write" else "read a third"
-        med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "table_mib", "extra_mib")}
+        med = medians(runs, "seconds", "table_mib", "extra_mib")
         print(f"{where:6} {what:16} {med['seconds']:8.2f} {med['table_mib']:10.1f} {med['extra_mib']:15.1f} "
               f"{med['extra_mib'] / med['table_mib']:12.2f}")
 

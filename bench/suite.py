@@ -1,4 +1,4 @@
-"""``python -m bench`` (``bench/benchmark.py``): the stages on one Ray cluster, each guarded; the table, the JSON."""
+"""``python -m bench``: the whole runs against the DGL loop (or ``--sharding``), each guarded; the table, the JSON."""
 
 from __future__ import annotations
 
@@ -12,26 +12,22 @@ import time
 from pathlib import Path
 
 import bench
-from bench import gpu, memory, sharding, wall
-from bench.actors import ONE_ACTOR, TARGET, bench_sampler
+from bench import sharding, wall
 from bench.harness import DEFAULT_DATASET, RESULTS, Row, error_row, guarded, machine, report
-from bench.settings import Settings, base_data_config, quick_data_config, start_ray
-from bench.training import bench_fast_trainer
-from gnnray.config import SamplerConfig
+from bench.settings import Settings, base_data_config, quick_data_config
 from gnnray.data.load import load_graph
-from gnnray.errors import ConfigError
-from gnnray.store.handle import publish
 from gnnray.driver.console import graph_line
 
-STAGES = ("sampler", "fast", "memory", "gpu", "wall")
-ORDER = ("data-wait", "sampler", "training", wall.FIGURE, "memory", "GPU", sharding.FIGURE, "setup", "")
+STAGES = ("wall",)
+ORDER = (wall.FIGURE, sharding.FIGURE, "setup", "")
+JSON = str(RESULTS / "benchmark.json")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="bench/benchmark.py", description=bench.__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench", description=bench.__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer batches and epochs, short epochs")
-    p.add_argument("--json", default=str(RESULTS / 'benchmark.json'), help="where to write all results")
+    p.add_argument("--quick", action="store_true", help="fewer epochs, short epochs")
+    p.add_argument("--json", default=JSON, help="where to write all results")
     p.add_argument("--dataset", default=None,
                    help=f"graph directory, or 'synthetic' (when not given: {DEFAULT_DATASET} if present, else "
                    "synthetic)")
@@ -40,79 +36,46 @@ def parse_args(argv=None):
                    "and their --trainer-threads when fewer than the node's cores (when not given: all)")
     p.add_argument("--fanouts", type=lambda t: tuple(int(f) for f in t.split(",")), default=Settings.fanouts,
                    help="neighbors per layer, input layer first, in every figure (e.g. 10,10,10)")
-    p.add_argument("--max-ahead", type=int, default=SamplerConfig().max_ahead,
-                   help="the job's --max-ahead in every run: mini-batches the sampler pool may run ahead of each "
-                   "train worker")
     p.add_argument("--sharding", action="store_true",
-                   help="run only the --feature-shards section, on a simulated cluster of 4 nodes (bench/sharding/), "
-                   "instead of the figures above; --json then defaults to "
-                   f"{RESULTS / sharding.DEFAULT_JSON_NAME}")
-    p.add_argument("--stages", default=",".join(STAGES),
-                   help="comma-separated stages to run, of " + ", ".join(STAGES))
+                   help="run only the --feature-shards section, on a simulated cluster of 4 nodes (bench/sharding/); "
+                   f"--json then defaults to {RESULTS / sharding.DEFAULT_JSON_NAME}")
+    p.add_argument("--stages", default=",".join(STAGES), help="comma-separated stages to run, of " + ", ".join(STAGES))
     p.add_argument("--wall-repeats", type=int, default=Settings.wall_repeats,
                    help="interleaved rounds of the whole runs (wall stage); each figure is the median over them")
-    p.add_argument("--wall-only", default="",
-                   help="comma-separated whole-run configurations to run, of " + ", ".join(wall.SHORT_NAMES)
-                   + "; empty: all")
+    p.add_argument("--wall-only", default="", help="comma-separated whole-run configurations to run, of "
+                   + ", ".join(wall.SHORT_NAMES) + "; empty: all")
     p.add_argument("--verbose", action="store_true", help="show the logs of Ray's workers")
     args = p.parse_args(argv)
     args.stages = set(args.stages.split(","))
     args.wall_only = tuple(n for n in args.wall_only.split(",") if n)
-    if set(args.wall_only) - set(wall.SHORT_NAMES):
-        p.error(f"--wall-only: unknown {', '.join(sorted(set(args.wall_only) - set(wall.SHORT_NAMES)))}; choose "
-                f"from {', '.join(wall.SHORT_NAMES)}")
+    for what, unknown, known in (("--wall-only", set(args.wall_only) - set(wall.SHORT_NAMES), wall.SHORT_NAMES),
+                                 ("--stages", args.stages - set(STAGES), STAGES)):
+        if unknown:
+            p.error(f"{what}: unknown {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
     if args.wall_repeats < 1:
         p.error("--wall-repeats must be at least 1")
-    if args.stages - set(STAGES):
-        p.error(f"--stages: unknown {', '.join(sorted(args.stages - set(STAGES)))}; choose from {', '.join(STAGES)}")
-    if args.sharding and args.json == str(RESULTS / 'benchmark.json'):
+    if args.sharding and args.json == JSON:
         args.json = str(RESULTS / sharding.DEFAULT_JSON_NAME)
     return args
 
 
 def settings_for(args) -> Settings:
-    try:
-        SamplerConfig(max_ahead=args.max_ahead)  # checked as the job checks it
-    except ConfigError as e:
-        raise SystemExit(f"bench/benchmark.py: error: {e}") from None
-    s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, max_ahead=args.max_ahead,
-                 wall_repeats=args.wall_repeats, wall_only=args.wall_only, fanouts=args.fanouts)
-    if args.quick:
-        s = dataclasses.replace(s, sampler_batches=160, sampler_warmup=16, sampler_rounds=2, epochs=3,
-                                memory_batches=2, fast_epochs=3, wall_epochs=(1, 3))
-    return s
+    s = Settings(quick=args.quick, cores=args.cores or os.cpu_count() or 1, wall_repeats=args.wall_repeats,
+                 wall_only=args.wall_only, fanouts=args.fanouts)
+    return dataclasses.replace(s, epochs=3, wall_epochs=(1, 3)) if args.quick else s
 
 
 def run_figures(args, s: Settings, workdir: Path, result: dict, rows: list[Row]) -> None:
-    """Load the graph, start Ray, and add every figure's rows to ``rows``; ``result`` gets the data's description."""
-    import ray
-
-    data = full_data = base_data_config(args.dataset)
+    """Load the graph and add every figure's rows to ``rows``; ``result`` gets the data's description."""
+    data = base_data_config(args.dataset)
     graph = load_graph(data, s.seed)
-    full_train_idx = graph.train_idx
     if s.quick:
         data = quick_data_config(graph, s, workdir)
         graph = load_graph(data, s.seed)
     result["data"] = dict(config=dataclasses.asdict(data), nodes=graph.num_nodes, edges=graph.num_edges,
-                          train=len(graph.train_idx), graph_mib=graph.nbytes / 2**20,
-                          fast_trainer_config=dataclasses.asdict(full_data), fast_trainer_train=len(full_train_idx))
+                          train=len(graph.train_idx), graph_mib=graph.nbytes / 2**20)
     print(f"{graph_line(graph)}; {s.cores} cores, {result['mode']} mode", flush=True)
-    start_ray(s, args.verbose)
-    want = args.stages.__contains__
-    try:
-        handle = publish(graph)
-        if want("sampler"):
-            rows += guarded(ONE_ACTOR, TARGET, lambda: bench_sampler(graph, handle, full_train_idx, s))
-        if want("fast"):
-            rows += guarded("training, fast trainer", "", lambda: bench_fast_trainer(full_data, graph, s, workdir))
-        if want("memory"):
-            rows += guarded(memory.FIGURE, memory.TARGET, lambda: memory.bench_memory(graph, handle, s))
-        if want("gpu"):
-            rows += guarded(gpu.FIGURE, gpu.TARGET, lambda: gpu.bench_gpu(s))
-    finally:
-        ray.shutdown()
-    # Whole runs start their own Ray cluster, as a user's run does: after this one is gone.
-    if want("wall"):
+    if "wall" in args.stages:  # whole runs start their own Ray cluster, as a user's run does
         rows += guarded(wall.FIGURE, "", lambda: wall.bench_wall(data, s, workdir, len(graph.train_idx)))
 
 
@@ -140,8 +103,8 @@ def main(argv=None) -> int:
     took = time.perf_counter() - started
     note = (f"\n{result['mode']} mode, {date}, {s.cores} cores, load average {os.getloadavg()[0]:.1f}, {took:.0f} s; "
             f"all numbers in {args.json}\n")
-    report(rows, args.json, note, wall_s=took, **result)
+    failed = report(rows, args.json, note, wall_s=took, **result)
     steady = next((r.detail["all"] for r in rows if "all" in r.detail), {})
     if steady:
         print("\nWhere the CPU goes (bench/cpu.py):\n" + wall.process_table(steady), flush=True)
-    return 1 if any(r.met == "error" for r in rows) else 0
+    return failed

@@ -1,18 +1,11 @@
-"""The ``wall`` stage: whole runs as a user starts them, ours against the DGL loop's script, side by side.
-
-Ours: ``python jobs/train_arxiv.py`` with the benchmark's options (:func:`job_argv`; its own local cluster; also
-with 2 DDP workers and ``--cpu-plan off``); baselines: ``python -m bench.dgl_loop`` on as many threads as cores
-with ``DataLoader(num_workers=0)`` and ``num_workers=1``. Each runs for ``E_short`` and ``E_long`` epochs:
-a steady epoch takes ``(wall_long - wall_short) / (E_long - E_short)`` seconds and as many machine
-CPU-seconds (``/proc/stat``, every process), start-up and the final test cancelled out. The configurations
-run in ``--wall-repeats`` interleaved rounds; each figure is the median over rounds (whole runs drift 10-15%
-between hours). During ours' long run :mod:`bench.cpu` snapshots every process at each epoch line: the table
-of where the time goes.
+"""The ``wall`` stage: whole runs as a user starts them, ours (``jobs/train_arxiv.py``, :func:`job_argv`) against
+the DGL loop's script (``bench.dgl_loop``), each for a short and a long run: a steady epoch's seconds and machine
+CPU-seconds are their difference over the extra epochs, start-up and the final test cancelled out; medians over
+``--wall-repeats`` interleaved rounds. :mod:`bench.cpu` splits ours' steady epochs by process group.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -29,8 +22,7 @@ from bench.settings import Settings, epochs_of, job_config, metrics_log
 from gnnray.config import DataConfig, JobConfig
 
 FIGURE = "whole runs"
-# The environment this process was started with (read before it starts Ray, which adds to it), less any
-# RAY_ADDRESS: a user's run on one machine starts its own cluster.
+# This process's environment before Ray adds to it, less RAY_ADDRESS: a user's local run starts its own cluster.
 USER_ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 DGL_LOADERS = {"DGL num_workers=0": 0, "DGL num_workers=1": 1}
 
@@ -47,43 +39,35 @@ def job_argv(cfg: JobConfig) -> list[str]:
             value = getattr(part, f.name)
             if value == getattr(default, f.name):
                 continue
-            if hints[f.name] is bool:
+            if hints[f.name] is bool:  # a switch
                 argv.append(flag_of(f))
-                continue
-            text = {True: "yes", False: "no"}[value] if isinstance(value, bool) else (
-                ",".join(map(str, value)) if isinstance(value, tuple) else str(value))
-            argv += [flag_of(f), text]
+            else:  # an optional bool is yes or no; a tuple, comma-separated
+                argv += [flag_of(f), {True: "yes", False: "no"}[value] if isinstance(value, bool) else
+                         ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     if parse_args(argv) != cfg:
         raise RuntimeError(f"job options {argv} do not give the benchmark's configuration")
     return argv
 
 
-def timed(name: str, cmd: list[str], on_epoch_log: typing.Optional[Path] = None) -> dict:
-    """Run ``cmd`` from the repository root: wall time, the machine's CPU-seconds, output, and with
-    ``on_epoch_log`` every process's CPU time at each line added to that file."""
-    watching = cpu.on_new_lines(on_epoch_log, cpu.snapshot) if on_epoch_log else contextlib.nullcontext([])
-    with watching as snaps:
+def ours(cfg: JobConfig) -> dict:
+    """``jobs/train_arxiv.py`` with ``cfg``'s options, from the repository root: wall time, the machine's
+    CPU-seconds, its plan and summary lines, and every process's CPU time at each epoch line (:mod:`bench.cpu`)."""
+    argv = job_argv(cfg)
+    with cpu.on_new_lines(metrics_log(cfg), cpu.snapshot) as snaps:
         start, busy = time.perf_counter(), cpu.machine_busy_s()
-        proc = subprocess.run(cmd, cwd=REPO, env=USER_ENV, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run([sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *argv], cwd=REPO, env=USER_ENV,
+                              capture_output=True, text=True, timeout=3600)
         wall, busy = time.perf_counter() - start, cpu.machine_busy_s() - busy
     if proc.returncode:
         tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")
-    windows = [cpu.between(a, b) for a, b in zip(snaps, snaps[1:])]
-    return dict(wall_s=wall, cpu_s=busy, stdout=proc.stdout, windows=windows)
-
-
-def ours(cfg: JobConfig) -> dict:
-    argv = job_argv(cfg)
-    r = timed("train_arxiv.py", [sys.executable, str(REPO / "jobs" / "train_arxiv.py"), *argv], metrics_log(cfg))
-    epochs = epochs_of(cfg)
-    lines = r.pop("stdout").splitlines()
+        raise RuntimeError(f"train_arxiv.py exited with {proc.returncode}: {tail}")
+    lines = proc.stdout.splitlines()
     if any("already finished" in line for line in lines):  # a resumed, finished run: nothing was measured
         raise RuntimeError(f"run {cfg.run.name!r} under {cfg.run.storage_path} had already finished")
     plan = [line for line in lines if line.startswith("cpu plan:")]
     summary = [line for line in lines if line.startswith("best_val_acc=")]
-    return dict(r, argv=argv, plan=plan[0] if plan else None, summary=summary[-1] if summary else None,
-                epochs=epochs)
+    return dict(wall_s=wall, cpu_s=busy, windows=[cpu.between(a, b) for a, b in zip(snaps, snaps[1:])], argv=argv,
+                plan=plan[0] if plan else None, summary=summary[-1] if summary else None, epochs=epochs_of(cfg))
 
 
 def dgl(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
@@ -95,24 +79,21 @@ def dgl(cfg: JobConfig, cores: int, loader_workers: int) -> dict:
 
 def steady(short: Result, long: Result, more: int, seeds_per_epoch: int) -> Result:
     """A steady epoch from two run lengths: seconds, seeds/s and the machine's CPU-seconds (see the module)."""
-    for r in (short, long):
-        if isinstance(r, Exception):
-            return r
+    if failed := next((r for r in (short, long) if isinstance(r, Exception)), None):
+        return failed
     epoch_s = (long["wall_s"] - short["wall_s"]) / more
     out = dict(epoch_s=epoch_s, seeds_per_s=seeds_per_epoch / epoch_s,
-               cpu_s=(long["cpu_s"] - short["cpu_s"]) / more, start_s=short["wall_s"] - epoch_s * _epochs(short),
+               cpu_s=(long["cpu_s"] - short["cpu_s"]) / more, start_s=short["wall_s"] - epoch_s * len(short["epochs"]),
                whole_s=long["wall_s"], short=short, long=long)
     # Where the time went in the long run's steady epochs: the windows between epoch lines start with epoch 1;
     # the last epoch is left out (the stream ends in it, so its last batches have no sampling beside them).
-    steady_windows = long.get("windows", [])[:-1]
-    if steady_windows:
-        groups = sorted({g for w in steady_windows for g in w})
-        out["by_process"] = {g: statistics.median(w.get(g, 0.0) for w in steady_windows) for g in groups}
+    out["by_process"] = median_by_group(long.get("windows", [])[:-1])
     return out
 
 
-def _epochs(run: dict) -> int:
-    return len(run["epochs"])
+def median_by_group(ds: list) -> dict:
+    """``{group: median over ds}`` of dicts of CPU-seconds by process group (a group a dict lacks counts 0)."""
+    return {g: statistics.median(d.get(g, 0.0) for d in ds) for g in sorted({g for d in ds for g in d})}
 
 
 def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, round_: int = 0) -> dict:
@@ -133,7 +114,8 @@ def configurations(data: DataConfig, s: Settings, workdir: Path, epochs: int, ro
     }
     for name, w in DGL_LOADERS.items():
         runs[name] = lambda w=w: dgl(one, s.cores, w)
-    return {k: v for k, v in runs.items() if not s.wall_only or k in chosen(s)}
+    wanted = {SHORT_NAMES[n] or ddp_name(s) for n in s.wall_only}
+    return {k: v for k, v in runs.items() if not s.wall_only or k in wanted}
 
 
 ONE, OFF = "ours, 1 worker", "ours, 1 worker, --cpu-plan off"
@@ -143,10 +125,6 @@ SHORT_NAMES = {"ours": ONE, "off": OFF, "ddp": None, "dgl0": "DGL num_workers=0"
 
 def ddp_name(s: Settings) -> str:
     return f"ours, {s.ddp_workers} DDP workers"
-
-
-def chosen(s: Settings) -> set:
-    return {SHORT_NAMES[n] or ddp_name(s) for n in s.wall_only}
 
 
 def bench_wall(data: DataConfig, s: Settings, workdir: Path, train_seeds: int) -> list[Row]:
@@ -174,10 +152,7 @@ def median_round(rounds: list, seeds_per_epoch: int) -> Result:
     out = medians(done, "epoch_s", "cpu_s", "start_s", "whole_s")
     out.update(seeds_per_s=seeds_per_epoch / out["epoch_s"], epoch_s_rounds=[r["epoch_s"] for r in done],
                cpu_s_rounds=[r["cpu_s"] for r in done], failed_rounds=len(rounds) - len(done), rounds=done)
-    groups = sorted({g for r in done for g in r.get("by_process", {})})
-    if groups:
-        out["by_process"] = {g: statistics.median(r.get("by_process", {}).get(g, 0.0) for r in done)
-                             for g in groups}
+    out["by_process"] = median_by_group([r.get("by_process", {}) for r in done])
     return out
 
 

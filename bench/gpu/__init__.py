@@ -1,11 +1,8 @@
 """The train worker's GPU path, checked on a bare GPU machine: ``python -m bench.gpu [--smoke] [--json PATH]``.
 
-Torch and numpy only (no Ray, no DGL), on synthetic batches (``batches.py``); each row against the CPU or the
-bound it should meet: ``model NAME`` and ``layerwise NAME`` (``models.py``: the device's outputs and gradients
-against the CPU's, step times, host syncs a step), ``prefetch float32|float16`` (``overlap.py``: a batch with
-the ``Prefetcher`` against max(copy, compute)), ``ddp step`` (``ddp.py``) and ``syncs ...`` (``syncs.py``). A
-failed row shows its error and the others still run. Without CUDA every row runs on the CPU at small sizes, as
-a smoke test (tests/test_gpu_bench.py). ``python -m bench`` runs the prefetch row as its ``gpu`` stage.
+Torch and numpy only, on synthetic batches (``batches.py``); each row against the CPU or its bound: ``model`` and
+``layerwise`` (``models.py``), ``prefetch`` (``overlap.py``), ``ddp step`` (``ddp.py``), ``syncs`` (``syncs.py``).
+Without CUDA every row runs on the CPU at small sizes, a smoke test (tests/test_gpu_bench.py).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from bench.gpu.models import layerwise_row, model_row
 from bench.gpu.overlap import median_run, prefetch_overlap
 from bench.harness import RESULTS, write_json
 
-FIGURE, TARGET = "GPU prefetch s/batch (overlap)", "<= 1.1 x max(copy, compute)"
 DEFAULT_JSON = RESULTS / "gpu.json"
 
 
@@ -72,7 +68,8 @@ def table(result: dict) -> str:
                     f"cpu" + (f"; {r['host_syncs_per_step']:g} host syncs/step" if "host_syncs_per_step" in r else ""))
         elif name.startswith("layerwise"):
             text = (f"{r['nodes']:,} nodes: hidden rel diff {r['hidden_rel_diff']:.1e}, predictions agree "
-                    f"{100 * r['pred_agree']:.2f}%; {r['device_s']:.2f} s on {result['device']} vs {r['cpu_s']:.2f} s on cpu")
+                    f"{100 * r['pred_agree']:.2f}%; {r['device_s']:.2f} s on {result['device']} vs "
+                    f"{r['cpu_s']:.2f} s on cpu")
         elif name.startswith("syncs"):
             from bench.gpu.syncs import text as syncs_text
 
@@ -86,18 +83,6 @@ def table(result: dict) -> str:
                     f"ranks' weights differ by {r['weights_max_diff_across_ranks']:g}")
         lines.append(f"{name:<18} {'-' if r['met'] is None else 'ok' if r['met'] else 'NO':<6} {text}")
     return "\n".join(lines)
-
-
-def bench_gpu(s) -> list:
-    """``python -m bench``'s gpu stage: the prefetch row on CUDA; n/a without a GPU."""
-    from bench.harness import Row, verdict
-
-    if not torch.cuda.is_available():
-        return [Row(FIGURE, ours="n/a (no GPU)", baseline="n/a", ratio="-", target=TARGET, met="n/a")]
-    r = prefetch_overlap("cuda", batches=10 if s.quick else 30)
-    return [Row(FIGURE, ours=f"{1000 * r['prefetch_s']:.1f} ms", baseline=f"{1000 * r['serial_s']:.1f} ms serial",
-                ratio=f"{r['serial_s'] / r['prefetch_s']:.2f}x faster", target=TARGET, met=verdict(r["met"]),
-                detail=r)]
 
 
 def main(argv=None) -> int:

@@ -24,9 +24,8 @@ SMOKE = dict(batch=32, fanouts=(4, 3), in_feats=16, hidden=16, classes=5, heads=
 
 def synthetic_batch(rng: np.random.Generator, batch: int, fanouts, num_classes: int, num_relations: int = 1,
                     epoch: int = 0):
-    """A sampled-looking :class:`MiniBatch` on the CPU (no features): for each layer, from the output down,
-    every destination gets 0 to ``fanout`` in-edges (some none) from sources numbered after the destinations;
-    int64 ids, labels in ``[0, num_classes)``, each edge a relation with ``num_relations > 1``."""
+    """A sampled-looking :class:`MiniBatch` on the CPU (no features): per layer each destination gets 0 to
+    ``fanout`` in-edges from sources numbered after the destinations; each edge a relation if ``num_relations > 1``."""
     from gnnray.batch import Layer, MiniBatch
 
     sizes, layers = [batch], []
@@ -90,8 +89,8 @@ def timed_epoch(*args, **kwargs) -> dict:
 
 
 def per_step(epoch: Callable[[int], dict], k: int = 4) -> dict:
-    """Host syncs and seconds a step, and the loss, of ``epoch(steps)`` (a :func:`timed_epoch`): the difference
-    between epochs of ``2k`` and ``k`` steps after a warm-up one, so the epoch's own read-back at its end cancels."""
+    """Host syncs and seconds a step, and the loss, of ``epoch(steps)``: epochs of ``2k`` less ``k`` steps after a
+    warm-up, so the epoch's own read-back at its end cancels."""
     epoch(k)  # warm-up: the allocator's first blocks, Adam's state
     syncs = (count_syncs(lambda: epoch(2 * k)) - count_syncs(lambda: epoch(k))) / k
     last = epoch(2 * k)

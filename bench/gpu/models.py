@@ -83,6 +83,7 @@ def layerwise_row(name: str, dev: torch.device, z: dict) -> dict:
     a, b = runs["cpu"], runs["device"]
     scale = float(np.abs(a.last_input).max()) or 1.0
     diff = float(np.abs(a.last_input - b.last_input).max())
-    row = dict(nodes=n, edges=int(indptr[-1]), hidden_rel_diff=diff / scale, pred_agree=float(np.mean(a.pred == b.pred)), cpu_s=a.seconds, device_s=b.seconds)
+    row = dict(nodes=n, edges=int(indptr[-1]), hidden_rel_diff=diff / scale,
+               pred_agree=float(np.mean(a.pred == b.pred)), cpu_s=a.seconds, device_s=b.seconds)
     row["met"] = row["hidden_rel_diff"] <= REL_TOL and row["pred_agree"] >= 0.999
     return row

@@ -12,11 +12,8 @@ from bench.gpu.batches import sync, synthetic_rows
 
 def prefetch_overlap(device: str, batches: int = 20, input_nodes: int = 100_000, feat_dim: int = 128,
                      feat_dtype=np.float32) -> dict:
-    """Per-batch times of the host side (gather + copy), of compute, and of both with and without the Prefetcher.
-
-    The compute step (matmuls on the batch's features) is sized to take about
-    as long as the copy, so full overlap would halve the serial time.
-    """
+    """Per-batch times of the host side (gather + copy), of compute sized to take as long, and of both with and
+    without the Prefetcher (full overlap would halve the serial time)."""
     from gnnray.batch import MiniBatch
     from gnnray.train.prefetch import HostSlot, Prefetcher
 

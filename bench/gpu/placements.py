@@ -1,19 +1,8 @@
 """The job's steady step against the ceiling, per ``--feature-placement``: ``python -m bench.gpu.placements``.
 
-For each graph (arxiv structure with 128 random features, fanouts 10,10,10; the
-products-shaped synthetic graph, fanouts 15,10,5) and each row
-(``--feature-placement``/``--sample-on``: host/actors, device/actors,
-uva/actors, device/device by default; ``auto/auto`` is what a user gets), a whole Ray job (``jobs/train_arxiv.py``, one train worker) runs
-and its steady step is read from ``metrics.jsonl`` (median over the epochs after
-the first: epoch time / steps), beside its ``data_wait`` (median). The ceiling,
-measured in the same call on the same device: model + loss + Adam
-(``train_epoch``) over batches drawn by gnnray's sampler from the same graph,
-each batch and its features already on the device; median of the passes after
-the first. Printed side by side, with the ratio; every number also goes to
-``--json``.
-
-On a GPU machine (the lent ones): ``python -m bench.gpu.placements --arxiv ../shared/datasets/arxiv-structure``.
-``--smoke`` runs tiny sizes on the CPU (a check by hand that it runs, not a measurement).
+For each graph and ``--feature-placement``/``--sample-on`` row, a whole Ray job (``jobs/train_arxiv.py``, one
+train worker): its steady step and ``data_wait`` from ``metrics.jsonl``, against the ceiling measured in the same
+call (``stages.ceiling_s``). ``--smoke``: tiny sizes on the CPU, a check that it runs.
 """
 
 from __future__ import annotations
@@ -53,8 +42,8 @@ def graphs(arxiv: str, smoke: bool) -> dict:
 
 def job(options: list, row: str, use_gpu: bool, epochs: int, actors: int, steps: int, timeout_s: float,
         console: str = "") -> dict:
-    """One job's steady step (s) and data_wait, from its metrics.jsonl (``steps``: an epoch's); ``row`` is
-    ``placement/sample_on``. ``console``: a file for the job's whole stdout and stderr."""
+    """One job's steady step (s) and data_wait (``steps``: an epoch's; ``row``: ``placement/sample_on``; ``console``:
+    a file for its whole output)."""
     placement, sample_on = row.split("/")
     with tempfile.TemporaryDirectory() as runs:
         cmd = [sys.executable, "jobs/train_arxiv.py", *COMMON, *options, "--feature-placement", placement,
@@ -85,8 +74,7 @@ def _text(b) -> str:
 
 
 def ceiling(options: list, dev: torch.device, batches: int, passes: int = 3) -> dict:
-    """model + loss + Adam over ``batches`` sampled batches already on ``dev``: seconds a step (median pass after
-    the first)."""
+    """model + loss + Adam over ``batches`` sampled batches already on ``dev``: seconds a step."""
     from bench.gpu.stages import ceiling_s
     from gnnray.config import parse_args
     from gnnray.data.load import load_graph

@@ -1,18 +1,8 @@
 """Where a GPU step's data time goes, stage by stage, at products shape: ``python -m bench.gpu.stages``.
 
-On one graph (default: the products-shaped synthetic graph, fanouts 15,10,5,
-batches of 1024), per batch, median over ``--batches`` batches after a warm-up:
-
-- ``sample actors``: gnnray's native sampler on one core (what one sampler actor does per batch);
-- ``sample device``: the device sampler (``--sample-on device``), synchronized;
-- ``features host``: the host gather into pinned memory plus the copy (the ``host`` placement);
-- ``features device``: ``index_select`` from the table on the device (``device``);
-- ``features uva``: the GPU reading rows from the table's read-only pages registered in place, without a
-  cache and with the hottest quarter cached (``uva``); every row checked against the host gather;
-- ``compute``: model + loss + Adam over the same batches already on the device (the ceiling), and the same
-  replayed from a CUDA graph (``compute, captured``: gnnray.train.captured, on a GPU).
-
-Each row also says how many batches a second it supplies. ``--smoke`` runs tiny sizes on the CPU.
+Per batch, medians: sampling on one core and on the device; the features gathered on the host and copied,
+gathered on the device and read over PCIe (``uva``); and the ceiling, model + loss + Adam over the batches already
+on the device, eager and captured. ``--smoke`` runs tiny sizes on the CPU.
 """
 
 from __future__ import annotations
@@ -50,9 +40,8 @@ def timed(fn, n: int, sync) -> float:
 
 
 def ceiling_s(cfg, graph, on_device: list, dev, passes: int = 3, captured: bool = False) -> float:
-    """model + loss + Adam over ``on_device`` (batches with their features already on ``dev``): seconds a step,
-    the median of the passes after the first. The ceiling a job's step is measured against. ``captured``: the
-    steps replayed from a CUDA graph, whose first pass measures the padding and second warms and captures."""
+    """The ceiling: model + loss + Adam over ``on_device`` (batches and features on ``dev``), seconds a step, the
+    median of the passes after the first (``captured``: after the second, which warms and captures)."""
     from gnnray.models.model import model_for
     from gnnray.train.captured import CapturedStep
     from gnnray.train.step import train_epoch

@@ -1,9 +1,7 @@
-"""Host syncs of the step's collectives on one device, under a one-rank process group (NCCL on CUDA, gloo on
-the CPU: the multi-rank path, moving nothing): ``syncs embedding`` (``--embedding-dim``: the ids' exchange, the
-gradient's all-reduce and the reduced rows' copy to the host table, one read-back by design), ``syncs rgat``
-(rgat's BatchNorms on their synchronised path, and one BatchNorm call of gnnray's against torch's
-``nn.SyncBatchNorm``: syncs, time, input gradients) and ``syncs placed`` (features on the device: none
-expected). Counted with torch's sync debug mode, on CUDA only: on the CPU the rows check that the paths run.
+"""Host syncs of the step's collectives under a one-rank process group (the multi-rank path, moving nothing):
+``syncs embedding`` (``--embedding-dim``: one read-back by design), ``syncs rgat`` (synchronised BatchNorms, and
+one call of gnnray's against torch's ``nn.SyncBatchNorm``) and ``syncs placed`` (features on the device: none).
+Counted with torch's sync debug mode on CUDA; on the CPU the rows check that the paths run.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""``python -m bench --sharding [--quick]``: the feature table split over nodes (``--feature-shards K``).
-
-On ``ray.cluster_utils.Cluster`` (a head and 3 nodes, each with its own object store; loopback between them),
-each against K = 1 in the same run: the object store per node, remote rows and gather time per batch, and
-the cache hit rate (``gathers.py``); training seeds/s and CPU per steady epoch (``training.py``); the driver's
-memory, and under a data limit (``driver.py``); layer-wise inference's hidden tables (``hidden_tables.py``); and
-first, without Ray, what a batch reaches on larger graphs (``reach.py``, docs/scaling.md#what-a-batch-reaches).
-The graph: a synthetic structure as a graph directory with its splits cut to a few batches, random features
-generated on the shard nodes (``cluster.py``: the settings, the cluster, the graph).
+"""``python -m bench --sharding [--quick]``: the feature table split over nodes (``--feature-shards K``), on a
+simulated cluster (``cluster.py``), each against K = 1: store per node, remote rows, gather time and cache hits
+(``gathers.py``); the driver's memory (``driver.py``); layer-wise inference's hidden tables (``hidden_tables.py``).
 """
 
 from __future__ import annotations
@@ -19,18 +13,15 @@ from bench.harness import Row, error_row
 from bench.sharding.cluster import DEFAULT_JSON_NAME, FIGURE, ShardSettings, SimulatedCluster, graph_dir, settings
 from bench.sharding.driver import bench_driver_limit, bench_driver_memory
 from bench.sharding.gathers import bench_cluster_gathers
-from bench.sharding.reach import bench_extrapolation
-from bench.sharding.training import bench_cluster_cpu, bench_cluster_training
 
 __all__ = ["DEFAULT_JSON_NAME", "FIGURE", "ShardSettings", "run_section", "settings"]
 
 
 def run_section(ss: ShardSettings, workdir: Path, verbose: bool, result: dict,
                 guarded: Callable[[str, str, Callable[[], list]], list]) -> list[Row]:
-    """The whole section: sampling only first (no Ray), then the cluster's figures; each stage guarded."""
+    """The whole section, each stage guarded."""
     out: dict = {}
     result["sharding"] = out
-    rows = guarded(f"{FIGURE}, sampling only", "", lambda: bench_extrapolation(ss))
     print(f"{FIGURE}: a head and {ss.worker_nodes} nodes with {ss.store_mib} MiB object stores each", flush=True)
     start = time.perf_counter()
     try:
@@ -40,14 +31,12 @@ def run_section(ss: ShardSettings, workdir: Path, verbose: bool, result: dict,
               f"{ss.feat_dim} float32 features ({info['feature_mib']:.1f} MiB), structure "
               f"{info['structure_mib']:.1f} MiB", flush=True)
         cl = SimulatedCluster(ss, verbose)
-    except Exception as exc:  # noqa: BLE001 - the other rows are still worth printing
-        return rows + [error_row(f"{FIGURE}: setup", "", exc)]
+    except Exception as exc:  # noqa: BLE001 - the failure is the section's row
+        return [error_row(f"{FIGURE}: setup", "", exc)]
     out["cluster_start_s"] = time.perf_counter() - start
     try:
-        rows += guarded(f"{FIGURE}: gathers", "", lambda: bench_cluster_gathers(cl, ss, data, out))
-        rows += guarded(f"{FIGURE}: training", "", lambda: bench_cluster_training(ss, data, workdir, out))
+        rows = guarded(f"{FIGURE}: gathers", "", lambda: bench_cluster_gathers(cl, ss, data, out))
         rows += guarded(f"{FIGURE}: driver memory", "", lambda: bench_driver_memory(cl, ss, data, workdir, out))
-        rows += guarded(f"{FIGURE}: CPU per epoch", "", lambda: bench_cluster_cpu(ss, data, workdir, out))
     finally:
         cl.close()
     rows += guarded(f"{FIGURE}: driver under a limit", "", lambda: bench_driver_limit(ss, workdir, verbose, out))

@@ -33,21 +33,8 @@ class ShardSettings:
     fanouts: tuple = (10, 10, 10)
     batch_size: int = 1024
     batches: int = 12  # gathered per configuration and reader, after one warm-up
-    # Training (fit.run): splits cut to these many batches, epochs, (K=1, K=3) pairs.
-    train_batches: int = 16
+    train_batches: int = 16  # the graph's splits, cut to these many batches
     eval_batches: int = 2
-    epochs: int = 2
-    hidden: int = 256
-    train_pairs: int = 2
-    # Sampling only: (name, nodes, average in-degree) of the synthetic graphs; the arxiv structure when present.
-    extrapolation: tuple = (("synthetic-250k", 250_000, 29), ("synthetic-1M", 1_000_000, 29))
-    extrapolation_batches: int = 8
-    small_reach: float = 0.02  # the small batch reaches at most this share of the graph's nodes
-    small_reach_seeds: int = 4096  # seeds sampled in small batches per graph
-    extrapolation_shards: tuple = (2, 4, 8)
-    # CPU of the job's processes per steady epoch: epochs per run, (K=1, K=3) pairs.
-    cpu_epochs: int = 4
-    cpu_pairs: int = 1
     memory_dims: tuple = (128, 512)  # the driver's memory with feature tables of these widths
     # Layer-wise inference's hidden tables (hidden_tables.py): the model's layers and width, nodes per chunk, how
     # often each node's store is read while it runs.
@@ -71,19 +58,14 @@ class ShardSettings:
 def settings(quick: bool) -> ShardSettings:
     s = ShardSettings(quick=quick)
     if quick:
-        s = dataclasses.replace(s, batches=5, train_batches=8, train_pairs=1,
-                                extrapolation=(("synthetic-250k", 250_000, 29),), extrapolation_batches=4,
-                                small_reach_seeds=2048)
+        s = dataclasses.replace(s, batches=5, train_batches=8)
     return s
 
 
 class SimulatedCluster:
     """A head and ``worker_nodes`` nodes, each with its own object store, and this process connected to it.
-
-    ``RAY_ADDRESS`` names the new cluster before it starts: Ray Train's
-    placement-group cleaner looks its cluster up through it, and could find
-    another Ray cluster on this machine otherwise (docs/performance.md#time-between-epochs).
-    """
+    ``RAY_ADDRESS`` names it before it starts: Ray Train's placement-group cleaner looks its cluster up through it
+    and could find another one on this machine (docs/performance.md#time-between-epochs)."""
 
     def __init__(self, ss: ShardSettings, verbose: bool):
         import ray
@@ -120,14 +102,13 @@ class SimulatedCluster:
         return label + "".join(f" (shard {i})" for i in held)
 
     def raylet_used(self) -> dict:
-        """Each node's ``object_store_bytes_used`` as its raylet reports it (all live objects), or {}."""
+        """Each node's ``object_store_bytes_used`` as its raylet reports it, or {}."""
         used = "object_store_bytes_used"
         return {n: stats[used] for n, stats in self.store_stats(used).items()}
 
     def store_stats(self, *fields: str) -> dict:
-        """``{node_id: {field: value}}`` of each node's raylet store stats, or {}: ``object_store_bytes_used``
-        counts every object there, freed ones not yet deleted included (deleted in batches once a second);
-        ``object_store_bytes_primary_copy`` the primary copies, which the store must keep."""
+        """``{node_id: {field: value}}`` of each node's raylet store stats, or {} (``object_store_bytes_used``
+        counts freed objects not yet deleted too; ``object_store_bytes_primary_copy`` the copies it must keep)."""
         import ray
 
         from gnnray.ray_internals import store_stats

@@ -34,7 +34,7 @@ emit(dict(peak_rss=int(status["VmHWM"].split()[0]) * 1024, rss=info.rss, uss=inf
 
 def driver_memory(address: str, data, name: str, workdir: Path, limit_bytes: int = 0) -> dict:
     """The driver's peak RSS, and RSS and USS after publishing ``data``, in a fresh process joining ``address``
-    (under ``RLIMIT_DATA`` = ``limit_bytes`` if given: private memory past it fails the process)."""
+    (under ``RLIMIT_DATA`` = ``limit_bytes`` if given)."""
     import sys
 
     from bench.harness import run_child
@@ -48,9 +48,8 @@ def driver_memory(address: str, data, name: str, workdir: Path, limit_bytes: int
 
 
 def bench_driver_memory(cl: SimulatedCluster, ss: ShardSettings, data, workdir: Path, out: dict) -> list[Row]:
-    """The driver's memory with feature tables of two widths: generated on the shard nodes (K = 3), loaded by
-    the driver (K = 1: the baseline the measurement must see grow), and read into driver memory then
-    spilled (synthetic-hetero, K = 3: the load peaks, what stays after publishing must not grow)."""
+    """The driver's memory with feature tables of two widths: generated on the shard nodes (K = 3), loaded by the
+    driver (K = 1: it must grow), read into its memory then spilled (typed, K = 3: what stays must not grow)."""
     from gnnray.config import DataConfig
 
     k = max(ss.shards)
@@ -83,10 +82,8 @@ def bench_driver_memory(cl: SimulatedCluster, ss: ShardSettings, data, workdir: 
 
 
 def bench_driver_limit(ss: ShardSettings, workdir: Path, verbose: bool, out: dict) -> list[Row]:
-    """A feature table twice the driver's limit: the driver runs under ``RLIMIT_DATA`` (its private writable
-    memory: heap, thread stacks; the object store's shared pages are not counted) of ``limit_gb``, and
-    publishes a generated table of twice that with K = 3 (must succeed) and K = 1 (must fail: the baseline
-    that shows the limit bites). Its own cluster: 3 nodes with stores that fit a third of the table each."""
+    """A feature table twice the driver's ``RLIMIT_DATA`` of ``limit_gb`` (private memory; the store's shared pages
+    do not count): K = 3 must publish, K = 1 must fail. Its own cluster, stores that fit a third of the table."""
     from gnnray.config import DataConfig
 
     limit = int(ss.limit_gb * 1e9)

@@ -1,8 +1,7 @@
 """The sharding section's gathers: the object store per node, remote rows per batch and the cache hit rate.
 
-Probe actors pinned to nodes read features as a train worker does (``reader_for``, one gather each); the
-job's objects' locations give the bytes on each node. The K = 1 reader on the head runs before and after each
-configuration: the baseline is the mean of the two.
+Probe actors pinned to nodes read features as a train worker does; the K = 1 reader on the head runs before and
+after each configuration, and the baseline is the mean of the two.
 """
 
 from __future__ import annotations
@@ -18,13 +17,8 @@ from bench.sharding.cluster import FIGURE, MIB, ShardSettings, SimulatedCluster,
 
 
 class GatherProbe:
-    """A process on one node that reads features as a train worker does (a Ray actor, pinned).
-
-    ``__init__`` attaches the graph and makes the reader (pulling the structure
-    and the cache to this node, mapping a shard held here); :meth:`gather`
-    gathers the given input-node arrays one by one into a reused float32
-    buffer and returns per batch its wall time and what the reader counted.
-    """
+    """A Ray actor pinned to a node that reads features as a train worker does: per batch, the gather's wall time
+    into a reused buffer and what the reader counted."""
 
     def __init__(self, handle):
         from gnnray.train.feature_reader import reader_for
@@ -59,23 +53,17 @@ def _summary(per: list, feat_bytes_per_row: int) -> dict:
     """Medians over batches (and sums), of one probe's gathers."""
     med = lambda k: statistics.median(b[k] for b in per)  # noqa: E731
     rows = sum(b["rows"] for b in per)
+    share = lambda k: sum(b[k] for b in per) / max(rows, 1)  # noqa: E731
     return dict(batches=len(per), gather_ms=1e3 * med("s"), wait_ms=1e3 * med("wait_s"),
                 rows_per_batch=med("rows"), remote_mib=med("remote_bytes") / MIB,
                 batch_mib=med("rows") * feat_bytes_per_row / MIB, remote_calls=med("remote_calls"),
-                rows_per_s=rows / sum(b["s"] for b in per),
-                cache_hit_rate=sum(b["cached_rows"] for b in per) / max(rows, 1),
-                local_share=sum(b["local_rows"] for b in per) / max(rows, 1),
-                remote_share=sum(b["remote_rows"] for b in per) / max(rows, 1), per_batch=per)
-
+                rows_per_s=rows / sum(b["s"] for b in per), cache_hit_rate=share("cached_rows"),
+                local_share=share("local_rows"), remote_share=share("remote_rows"), per_batch=per)
 
 
 def _layout(cl: SimulatedCluster, handle, baseline=None) -> tuple[dict, dict]:
-    """Each node's bytes of ``handle``'s objects, and the raylet's view of the same moment.
-
-    The second: per node the raylet's ``object_store_bytes_used``, the bytes
-    of this layout, of the K = 1 baseline's graph (still alive) and the rest
-    (rows in flight, objects freed but not yet deleted).
-    """
+    """Each node's bytes of ``handle``'s objects; and its raylet's ``object_store_bytes_used`` beside this layout's
+    bytes, the K = 1 baseline's (still alive) and the rest (rows in flight, objects freed but not yet deleted)."""
     mine = bytes_on(cl, handle)
     base = bytes_on(cl, baseline) if baseline is not None else {}
     used = cl.raylet_used()

@@ -1,14 +1,9 @@
 """Layer-wise inference's hidden tables: each node's store peak, sharded (K = 3) against unsharded (K = 1).
 
-``python -m bench.sharding.hidden_tables [--quick] [--stores]`` (its own simulated clusters; also a stage of
-``python -m bench --sharding``): the section's graph and GraphSAGE ``infer_layers`` x ``infer_hidden`` with
-random weights, on clusters of a head and 3 nodes with stores of ``store_mib`` (room for K = 1's whole tables)
-and ``infer_store_mib`` (room for K = 3's ranges only). Three ranks, one pinned on each node, form a gloo group
-and call ``train.layerwise.infer`` as train workers do: with K = 3 the shard servers hold the tables, a node
-range each; with K = 1 every node holds every table whole. A thread reads every node's store stats every
-``poll_s`` while they run: each figure is the largest reading less the one before (primary copies, all
-objects, spilled or outside the store), beside the formula 2 x table / K and the predictions of both.
-``--stores``: each node's whole store use (its metrics endpoint), layer-wise against sampled evaluation.
+``python -m bench.sharding.hidden_tables [--quick] [--stores]`` (also a stage of ``python -m bench --sharding``):
+a rank on each node of a simulated cluster runs ``train.layerwise.infer``, on stores with room for K = 1's whole
+tables and on stores with room for K = 3's ranges only. ``--stores``: each node's whole store use, layer-wise
+against sampled evaluation.
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ import time
 
 import numpy as np
 
-from bench.harness import Row
-from bench.harness import free_port
+from bench.harness import Row, free_port, format_table, write_json
 from bench.sharding.cluster import FIGURE, MIB, ShardSettings, SimulatedCluster, publish
 
 # What each node's raylet says of its store: every object there (freed ones not yet deleted included), the
@@ -44,8 +38,7 @@ class Rank:
 
         torch.set_num_threads(1)  # three ranks and their servers on this machine's cores
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        self._handle, self._rank, self._world = handle, rank, world
-        self._graph = handle.get()
+        self._handle, self._rank, self._world, self._graph = handle, rank, world, handle.get()
         self._reader = reader_for(self._graph, handle.features)
 
     def ready(self) -> bool:
@@ -69,8 +62,8 @@ class Rank:
 
 
 def metrics_store_bytes(cl: SimulatedCluster, *fields: str) -> dict:
-    """``{node_id: {METRICS: bytes}}``: each node's ``ray_object_store_memory`` over ``MMAP_SHM`` and ``MMAP_DISK``,
-    from its metrics endpoint (every object in its store: primary copies and copies fetched from other nodes)."""
+    """``{node_id: {METRICS: bytes}}``: each node's ``ray_object_store_memory`` over ``STORE_LOCATIONS`` from its
+    metrics endpoint (every object in its store, copies fetched from other nodes included)."""
     import re
     import urllib.request
 
@@ -97,9 +90,8 @@ def metrics_store_bytes(cl: SimulatedCluster, *fields: str) -> dict:
 
 def run_ranks(cl: SimulatedCluster, handle, model, nodes: list, num_nodes: int, chunk: int, poll_s: float,
               read=None, fields: tuple = FIELDS, sampled=None) -> dict:
-    """Inference by one rank per node of ``nodes`` (with ``sampled``, a JobConfig: sampled evaluation instead): the
-    predictions, and each node's store figures over the run (the largest reading of each field less the one
-    before), read by ``read(cl, *fields)`` (the raylets' store stats by default)."""
+    """Inference by one rank per node of ``nodes`` (with ``sampled``, a JobConfig: sampled evaluation): the
+    predictions, and each node's largest ``read(cl, *fields)`` (the raylets' store stats) less the one before."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -143,8 +135,8 @@ def run_ranks(cl: SimulatedCluster, handle, model, nodes: list, num_nodes: int, 
 
 
 def remote_rows(graph, lo: int, hi: int, chunk: int) -> int:
-    """Rows of a hidden table that the chunks of nodes ``[lo, hi)`` read from outside that range: what the ranks
-    of a shard node fetch from the other servers per layer (a row is fetched again by each chunk that reads it)."""
+    """Rows of a hidden table the chunks of nodes ``[lo, hi)`` read from outside it: what a shard node's ranks fetch
+    per layer (again by each chunk that reads it)."""
     from gnnray.train.layerwise import full_block
 
     total = 0
@@ -156,8 +148,8 @@ def remote_rows(graph, lo: int, hi: int, chunk: int) -> int:
 
 def runs_on(ss: ShardSettings, data, store_mib: int, plan: tuple, layers: int, hidden: int, verbose: bool,
             **run_kw) -> dict:
-    """On a new simulated cluster with ``store_mib`` stores: for each ``(name, K, sampled)`` of ``plan``, the
-    ranks on the shard nodes (K > 1; else the last run's nodes) with the same weights (:func:`run_ranks`)."""
+    """On a new cluster of ``store_mib`` stores, :func:`run_ranks` for each ``(name, K, sampled)`` of ``plan``: on
+    the shard nodes (K > 1; else the last run's), with the same weights."""
     import ray
     import torch
 
@@ -194,32 +186,26 @@ def runs_on(ss: ShardSettings, data, store_mib: int, plan: tuple, layers: int, h
     return runs
 
 
-def on_cluster(ss: ShardSettings, data, store_mib: int, verbose: bool) -> dict:
-    """K = 3 then K = 1, inference on the same nodes, by K."""
-    k = max(ss.shards)
-    return runs_on(ss, data, store_mib, ((k, k, False), (1, 1, False)), ss.infer_layers, ss.infer_hidden, verbose,
-                   chunk=ss.infer_chunk, poll_s=ss.poll_s)
-
-
 def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]:
-    """K = 3 against K = 1 on nodes with stores of ``store_mib`` (room for K = 1's whole tables) and of
-    ``infer_store_mib`` (room for K = 3's ranges only); rows: store peaks, spills, the servers' counts, predictions."""
+    """K = 3 against K = 1 on stores of ``store_mib`` and of ``infer_store_mib``: store peaks, spills, the
+    servers' counts, predictions."""
     from gnnray.store.shards import hidden_nbytes
 
     k = max(ss.shards)
     widths = [ss.infer_hidden] * (ss.infer_layers - 1)
-    roomy = on_cluster(ss, data, ss.store_mib, verbose)
-    tight = on_cluster(ss, data, ss.infer_store_mib, verbose)
+    # K = 3 then K = 1, inference on the same nodes, on each size of store.
+    clusters = {store: runs_on(ss, data, store, ((k, k, False), (1, 1, False)), ss.infer_layers, ss.infer_hidden,
+                               verbose, chunk=ss.infer_chunk, poll_s=ss.poll_s)
+                for store in (ss.store_mib, ss.infer_store_mib)}
+    roomy, tight = clusters[ss.store_mib], clusters[ss.infer_store_mib]
     n = roomy[k]["pred"].shape[0]
     table = n * ss.infer_hidden * 4 / MIB
     formula = {k: hidden_nbytes(n, widths, k) / MIB, 1: len(widths) * table}
-    agree = {store: float(np.mean(runs[k]["pred"] == runs[1]["pred"]))
-             for store, runs in ((ss.store_mib, roomy), (ss.infer_store_mib, tight))}
+    agree = {store: float(np.mean(runs[k]["pred"] == runs[1]["pred"])) for store, runs in clusters.items()}
     out["layerwise"] = dict(nodes=n, layers=ss.infer_layers, hidden=ss.infer_hidden, chunk=ss.infer_chunk,
                             table_mib=table, formula_mib=formula, pred_agree=agree, runs={
                                 store: {shards: {key: v for key, v in r.items() if key != "pred"}
-                                        for shards, r in runs.items()}
-                                for store, runs in ((ss.store_mib, roomy), (ss.infer_store_mib, tight))})
+                                        for shards, r in runs.items()} for store, runs in clusters.items()})
 
     def most(runs: dict, shards: int, field: str) -> float:
         return max(runs[shards]["mib"][field].values())
@@ -261,26 +247,20 @@ def bench_layerwise(ss: ShardSettings, data, verbose: bool, out: dict) -> list[R
 
 
 def bench_stores(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]:
-    """The store run: K = 3, three ranks beside their shards on nodes of ``stores_store_mib`` stores, sampled then
-    layer-wise evaluation, then K = 1's layer-wise predictions; each node's whole store use (its metrics endpoint,
-    Ray reporting every ``metrics_s``) at its peak, layer-wise against sampled, and the bound 2 x table / K."""
+    """The store run on ``stores_store_mib`` stores: K = 3 sampled, then layer-wise evaluation, then K = 1's
+    layer-wise predictions; each node's whole store use at its peak (metrics every ``metrics_s``)."""
     import os
+    from unittest import mock
 
     from gnnray.store.shards import hidden_nbytes
 
     k = max(ss.shards)
-    interval = os.environ.get("RAY_metrics_report_interval_ms")
-    os.environ["RAY_metrics_report_interval_ms"] = str(int(ss.metrics_s * 1000))  # the cluster's processes read it
-    try:
+    # The cluster's processes read the metrics' interval from the environment it starts with.
+    with mock.patch.dict(os.environ, RAY_metrics_report_interval_ms=str(int(ss.metrics_s * 1000))):
         runs = runs_on(ss, data, ss.stores_store_mib, (("sampled", k, True), ("layerwise", k, False),
                                                        ("layerwise K=1", 1, False)), ss.stores_layers,
                        ss.stores_hidden, verbose, chunk=ss.stores_chunk, poll_s=ss.metrics_s, read=metrics_store_bytes,
                        fields=(METRICS,))
-    finally:
-        if interval is None:
-            os.environ.pop("RAY_metrics_report_interval_ms", None)
-        else:
-            os.environ["RAY_metrics_report_interval_ms"] = interval
     n = runs["layerwise"]["pred"].shape[0]
     table = n * ss.stores_hidden * 4 / MIB
     bound = 2 * table / k  # the tables of two layers' ranges; with 2 layers one table's range, at most
@@ -308,11 +288,9 @@ def bench_stores(ss: ShardSettings, data, verbose: bool, out: dict) -> list[Row]
 
 def main(argv=None) -> int:
     import argparse
-    import json
     import tempfile
     from pathlib import Path
 
-    from bench.harness import format_table
     from bench.sharding.cluster import graph_dir, settings
 
     p = argparse.ArgumentParser(prog="python -m bench.sharding.hidden_tables", description=__doc__.splitlines()[0])
@@ -331,9 +309,7 @@ def main(argv=None) -> int:
               f"{ss.worker_nodes} nodes", flush=True)
         rows = (bench_stores if args.stores else bench_layerwise)(ss, data, args.verbose, out)
     print(format_table(rows), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(graph=info, settings=dataclasses.asdict(ss), **out), indent=1,
-                                              default=str))
+    write_json(args.json, dict(graph=info, settings=dataclasses.asdict(ss), **out))
     return 0 if all(r.met != "NO" for r in rows) else 1
 
 
