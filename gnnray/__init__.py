@@ -20,7 +20,7 @@ in README.md#what-runs-where; the folders:
   CPU dropout mask (``dropout.py``); torch only, reused by ``train/``, ``inference/`` and the benchmarks.
 - ``train/``: what a Ray Train worker runs (``setup.py``: what the driver hands it): its prefetch thread
   (``prefetch.py``, ``feature_reader.py``), ``placement.py`` (``--feature-placement``), ``device_sampler.py``
-  (``--sample-on device``: on a GPU in torch, on a CPU worker the native sampler between steps; a fixed run
+  (``--sample-on device``: on a GPU in torch, on a CPU worker the native sampler at idle priority; a fixed run
   then needs no stream), ``gpu_budget.py`` (its GPU as one budget; torch-free, so the driver plans by the same
   rule), ``embedding.py`` (``--embedding-dim``) and ``checkpoint.py`` (written by rank 0 and, for embedding
   rows, by their owners; chosen by the driver). ``layerwise.py``: exact layer-wise inference after the last

@@ -47,7 +47,7 @@ def test_cora_reaches_published_accuracy(cora_run):
     plan = CpuPlan(node_cpus(), 2, 0)  # no sampler actors: the workers sample
     assert {m["cpu_threads"] for m in logged} == {plan.trainer_threads()}
     assert logged[0]["cpu_cores"] == list(plan.trainer_cores(0) or range(os.cpu_count()))
-    # On this host's cores the plan samples in the workers, between steps (docs/cpu-plan.md#the-budget).
+    # On this host's cores the plan samples in the workers, at idle priority (docs/cpu-plan.md#the-budget).
     from gnnray.train.report import events
 
     [sampling] = [e for e in events(str(storage / "cora")) if e["event"] == "sampling"]
@@ -93,7 +93,7 @@ def test_sampling_on_the_device_trains_as_the_actors_do(cora_run, tmp_path, caps
                       "--num-workers", "2", "--storage-path", str(tmp_path), "--name", "device",
                       "--sample-on", "device", "--feature-placement", "device", "--eval", "sampled"])
     summary = run(cfg)
-    assert "sampling plan: in each train worker, between its steps (--sample-on device)" in capsys.readouterr().out
+    assert "sampling plan: in each train worker, on a thread at idle priority (--sample-on device)" in capsys.readouterr().out
     did = [e for e in events(str(tmp_path / "device")) if e["event"] == "features"]
     assert did and did[-1]["placement"] == "device", did  # the worker says what it did
     logged = _epochs_logged(tmp_path, "device")

@@ -16,10 +16,10 @@ Pure rules, so that the plan is testable without a cluster or a GPU:
   from the measured paces: train workers per node (one per
   :data:`THREADS_AT_MOST` cores: beyond that a worker's step hardly speeds
   up), then where sampling runs. Where the node's sampling needs less than a
-  core, each worker samples its own batches between steps on all its
-  threads: an actor's core would idle, and an actor sharing the workers'
-  cores stalls their OpenMP teams. Otherwise the actors get the cores the
-  sampling needs and the workers the rest.
+  core, each worker samples its own batches on one thread at idle priority,
+  in the time its step leaves a core idle: an actor's core would idle, and an
+  actor sharing the workers' cores stalls their OpenMP teams. Otherwise the
+  actors get the cores the sampling needs and the workers the rest.
 - :func:`actors_for_pace`: actors = ceil(seeds/s the steps need / one actor's
   seeds/s), capped by the cores the node can give them: the sampler pool
   beside GPU workers, where ``--sampler-actors`` is not given.
@@ -129,7 +129,7 @@ class CpuNodePlan:
         workers: Train workers on the node.
         threads: torch threads a worker computes on.
         sampler_cores: Cores of the node's sampler actors (one actor a core); 0: each worker samples its own
-            batches between its steps.
+            batches (on a thread at idle priority).
         need: Cores the node's sampling needs beside the workers' steps, at their pace.
         paces: What the plan was made from.
     """

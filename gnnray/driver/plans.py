@@ -80,7 +80,7 @@ def sampling(cfg: JobConfig, graph: Graph, use_gpu: bool, local: bool = True) ->
     cfg = dataclasses.replace(cfg, sampler=dataclasses.replace(cfg.sampler, sample_on=where, actors=actors))
     pace.check_device_sampling(cfg)
     place = ("in sampler actors" if where == "actors" else "on each train worker's device" if use_gpu
-             else "in each train worker, between its steps")
+             else "in each train worker, on a thread at idle priority")
     console.say(f"sampling plan: {place} ({why})")
     return cfg
 
@@ -136,7 +136,7 @@ def _cpu_sampling(cfg: JobConfig, graph: Graph, local: bool, nodes: list) -> tup
     cluster's smallest CPU node."""
     if refused := _actors_only(cfg):
         return "actors", refused, 0
-    if cfg.data.feature_shards > 1:  # a worker sampling between its steps would wait for them there
+    if cfg.data.feature_shards > 1:  # a worker sampling its own batches would wait for them there
         return "actors", "--feature-shards: rows of other nodes are fetched on the prefetch thread, beside the step", 0
     nodes = [n for n in nodes if n.cpus > 0]
     cores = min((_node_cores(local, n) for n in nodes), default=_node_cores(local))

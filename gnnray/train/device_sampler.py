@@ -175,11 +175,10 @@ class DeviceBatches(Prefetcher):
     :class:`~gnnray.train.prefetch.Prefetcher`'s thread and side stream, so
     that sampling the next batches overlaps the current step's compute (the
     sampler's few reads of sizes wait for the side stream only). On a CPU
-    worker the native sampler (:class:`~gnnray.sampler.sampler.Sampler`, on
-    the worker's threads) samples each batch when the step asks for it
-    (``depth=0``): sampling and compute take turns on all of the worker's
-    cores, as DGL's loop without loader workers does. Features are gathered
-    where they are placed: on the device from a placed table (``placed``),
+    worker the native sampler (:class:`~gnnray.sampler.sampler.Sampler`, one
+    thread) samples on the prefetch thread at idle priority (``idle``): in the
+    time the step leaves a core idle, never taking one from the step's OpenMP
+    team. Features are gathered where they are placed: on the device from a placed table (``placed``),
     else on the host for the batch's ``input_nodes`` and copied. The same
     batches the actors' stream yields (labels int64, features float32).
 
@@ -189,14 +188,15 @@ class DeviceBatches(Prefetcher):
         sampler: The device's sampler (a GPU's :class:`DeviceSampler`, or the CPU's native sampler).
         feat: The node features (a table, or a reader of sharded ones).
         device: Where batches are delivered.
-        depth: Batches sampled ahead (0: each when asked, on the consumer's thread).
+        depth: Batches sampled ahead.
         placed: Features held on the device (:func:`gnnray.train.placement.place`), or ``None``.
+        idle: The thread at idle priority (:class:`~gnnray.train.prefetch.Prefetcher`).
     """
 
     def __init__(self, rows: Iterable[int], plan, sampler, feat, device: torch.device, depth: int = 2,
-                 placed=None):
+                 placed=None, idle: bool = False):
         self._seeds, self._sampler = SeedReader(plan), sampler  # before the thread starts
-        super().__init__(rows, feat, device, depth=depth, placed=placed)
+        super().__init__(rows, feat, device, depth=depth, placed=placed, idle=idle)
 
     def _prepare(self, row, slot: HostSlot):
         if slot.copied is not None:
@@ -229,7 +229,7 @@ def device_batches(rows: Iterable[int], graph: Graph, cfg: JobConfig, world: int
     plan = (SeedPlan.elastic(graph.train_idx, s.batch_size, cfg.train.workers_max, world, cfg.run.seed)
             if cfg.train.elastic else SeedPlan.for_run(graph.train_idx, s.batch_size, world, cfg.run.seed))
     if device.type == "cpu":  # torch's draw pays per candidate edge (47x the native sampler's time here)
-        sampler = Sampler(graph, s.fanouts, cfg.run.seed, threads=torch.get_num_threads())
-        return DeviceBatches(rows, plan, sampler, feat, device, depth=0, placed=placed)
+        sampler = Sampler(graph, s.fanouts, cfg.run.seed, threads=1)
+        return DeviceBatches(rows, plan, sampler, feat, device, depth=cfg.train.prefetch, placed=placed, idle=True)
     return DeviceBatches(rows, plan, DeviceSampler(graph, s.fanouts, device, cfg.run.seed), feat, device,
                          depth=cfg.train.prefetch, placed=placed)

@@ -10,11 +10,13 @@ features in theirs (float16 stays float16); the device widens them, on the side
 stream. Output: :class:`MiniBatch` es on the device (labels int64, features
 float32), in input order.
 
-On a CPU worker (``depth=0``) there is no thread: each batch is prepared on
-the consumer's thread when it asks for it, between steps, so the gather runs
-on all of torch's threads and never takes a core from the step's OpenMP team
-(a team waits for its slowest thread: one descheduled by a second thread of
-work stalls the whole parallel region).
+On a CPU worker that samples its own batches the thread runs at idle priority
+(``idle``, Linux's ``SCHED_IDLE``): it takes only the time the step leaves a
+core idle (its Python between kernels, single-threaded ops), and a thread of
+the step's OpenMP team that wakes takes its core back at once. At normal
+priority it would deschedule team threads, and a team waits for its slowest
+thread; sampling on the step's thread between steps leaves those idle
+moments unused (docs/cpu-plan.md).
 
 With features placed on the device (``placed``, :mod:`gnnray.train.placement`)
 the thread gathers nothing: only the batch's structure and ids cross (plus, with
@@ -33,6 +35,7 @@ Torch and numpy only (no Ray, no DGL): this runs on any train worker.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -113,8 +116,7 @@ class HostSlot:
 
 
 class Prefetcher:
-    """Iterate mini-batches prepared ``depth`` steps ahead on a background thread (``depth=0``: on the consumer's
-    thread, when asked).
+    """Iterate mini-batches prepared ``depth`` steps ahead on a background thread.
 
     A yielded batch stays valid until the next call to ``next``: its host
     buffers are then reused. ``depth + 1`` host buffers in all: the thread
@@ -127,16 +129,18 @@ class Prefetcher:
             (read-only is fine) or a :class:`~gnnray.train.feature_reader.FeatureReader`
             (sharded features: remote rows are fetched here, on this thread).
         device: Where batches are delivered.
-        depth: Batches prepared ahead of the consumer; 0 prepares each on the consumer's thread.
+        depth: Batches prepared ahead of the consumer (at least 1).
         embedding: The job's learnable embedding (``train.embedding.EmbeddingTable``), if any: its rows are
             looked up here and appended to each batch's ``x``, which is then the model's whole input.
         placed: Features held on the device (:func:`gnnray.train.placement.place`): then only the ids (and
             rows the host alone has, fetched from other nodes) cross, and the rows are gathered there.
+        idle: Run the thread at idle priority (the module docstring): for work that must not take a core
+            from the step, and that nothing else on the node's cores would starve.
     """
 
     def __init__(self, rows: Iterable[np.ndarray], feat: Union[np.ndarray, FeatureReader], device: torch.device,
-                 depth: int = 2, embedding=None, placed=None):
-        self._embedding, self._placed = embedding, placed
+                 depth: int = 2, embedding=None, placed=None, idle: bool = False):
+        self._embedding, self._placed, self._idle = embedding, placed, idle
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
         if self._cuda and self._device.index is None:  # the caller's current GPU, named: the thread sets it
@@ -150,12 +154,8 @@ class Prefetcher:
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue()  # bounded by the free slots
         self._stop = threading.Event()
-        self._rows: Optional[Iterator] = iter(rows) if depth == 0 else None  # inline: read by the consumer
-        self._thread = None
-        if self._rows is None:
-            self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="gnnray-prefetch",
-                                            daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, args=(iter(rows),), name="gnnray-prefetch", daemon=True)
+        self._thread.start()
 
     def __iter__(self) -> Iterator[MiniBatch]:
         return self
@@ -163,8 +163,6 @@ class Prefetcher:
     def __next__(self) -> MiniBatch:
         if self._stop.is_set():
             raise StopIteration
-        if self._rows is not None:
-            return self._next_inline()
         if self._held is not None:  # the last batch given is done with: its slot may be filled again
             self._free.put(self._held)
             self._held = None
@@ -178,13 +176,6 @@ class Prefetcher:
             raise item.exc
         mb, ready, lookup, self._held = item
         return self._deliver(mb, ready, lookup)
-
-    def _next_inline(self) -> MiniBatch:
-        """The next batch prepared here and now, in the one slot (the last batch given is done with)."""
-        for packed in self._rows:
-            return self._deliver(*self._prepare(packed, self._slots[0]))
-        self._drop_slots()
-        raise StopIteration
 
     def _deliver(self, mb: MiniBatch, ready, lookup) -> MiniBatch:
         """``mb`` ready for the consumer's stream, its embedding rows brought up to date."""
@@ -211,7 +202,7 @@ class Prefetcher:
         """
         self._stop.set()
         deadline = time.monotonic() + timeout
-        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+        while self._thread.is_alive() and time.monotonic() < deadline:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
@@ -254,10 +245,12 @@ class Prefetcher:
                 # A new thread starts on GPU 0: without this, every rank of a multi-GPU node would create a
                 # context there (pinned buffers, events) beside its own.
                 torch.cuda.set_device(self._device)
-            for packed in rows:
+            for i, packed in enumerate(rows):
                 slot = self._take_slot()
                 if slot is None or not self._put((*self._prepare(packed, slot), slot)):
                     return
+                if i == 0 and self._idle:  # the consumer waits for the first batch: at normal priority, no core
+                    idle_priority()        # another process of a starting run keeps busy delays it
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(_Failure(exc))
@@ -294,6 +287,15 @@ class Prefetcher:
             slot.copied = torch.cuda.Event()
             slot.copied.record(self._stream)
         return mb, slot.copied, lookup
+
+
+def idle_priority() -> None:
+    """Run the calling thread (and the threads it starts: the gather's OpenMP team) only on cores nothing else
+    wants: Linux's ``SCHED_IDLE``; elsewhere (no such policy) it keeps its priority."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def _tensors(mb: MiniBatch) -> list[torch.Tensor]:

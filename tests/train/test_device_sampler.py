@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -230,3 +231,23 @@ def test_device_batches_follow_the_seed_plan_with_their_features(placement, devi
         check_batch(graph, (4, 3), mb.seeds.numpy(), mb)
         assert mb.labels.dtype == torch.int64 and mb.x.dtype == torch.float32
         assert torch.equal(x, torch.from_numpy(graph.feat[mb.input_nodes.numpy()]))
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE policy only")
+def test_a_cpu_worker_samples_on_one_thread_at_idle_priority():
+    """A CPU worker's batches are sampled and gathered ahead, on a thread that takes only idle cores (after the
+    first batch), and with one sampler thread: none of the step's cores is taken from it."""
+    from gnnray.config import parse_args
+    from gnnray.seeds import SeedPlan
+    from gnnray.train.device_sampler import device_batches
+
+    graph = tiny_graph(num_nodes=300, num_edges=3000, seed=6)
+    cfg = parse_args(["--batch-size", "16", "--fanouts", "4,3", "--num-workers", "1", "--sample-on", "device"])
+    plan = SeedPlan.for_run(graph.train_idx, 16, 1, cfg.run.seed)
+    rows = range(plan.rows_per_epoch)  # more than the thread may prepare ahead: it stays alive, waiting
+    with device_batches(iter(rows), graph, cfg, 1, graph.feat, torch.device("cpu")) as batches:
+        mbs = [next(batches).seeds.tolist() for _ in range(2)]
+        policy = os.sched_getscheduler(batches._thread.native_id)
+        assert batches._sampler.threads == 1
+    assert mbs == [plan.batches(0)[i].tolist() for i in range(2)]
+    assert policy == os.SCHED_IDLE and os.sched_getscheduler(0) != os.SCHED_IDLE

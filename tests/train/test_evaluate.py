@@ -63,7 +63,8 @@ def test_evaluation_streams_under_its_bound(ray_cluster, big_tiny):
 def test_evaluation_batches_are_bounded_by_rows_not_seeds(big_tiny):
     """``--eval-rows 200``: every batch gathers at most 200 feature rows, whatever ``--eval-batch-size`` (4096
     seeds would take the whole graph in one); batches over the bound are sampled again in smaller chunks, and
-    every seed is still evaluated once (all neighbors: exactly the full graph's accuracy). Sampled here, no Ray."""
+    every seed is still evaluated once (all neighbors: exactly the full graph's accuracy); a later evaluation starts
+    from the chunks the last one reached. Sampled here, no Ray."""
     graph = big_tiny
     torch.manual_seed(0)
     model = mean_sage(graph.feat_dim, 8, graph.num_classes).eval()
@@ -74,8 +75,14 @@ def test_evaluation_batches_are_bounded_by_rows_not_seeds(big_tiny):
     assert unbounded.accuracy(model, "valid") == pytest.approx(want, abs=1e-6)
     assert unbounded.peak_rows > 200 and unbounded.requested == 1  # the default bound: one batch of it all
     evaluator = Evaluator(graph, cfg, 0, 1, "cpu")
+    worst = evaluator._first_seeds  # every sampled neighbor new
     assert evaluator.accuracy(model, "valid") == pytest.approx(want, abs=1e-6)
     assert 0 < evaluator.peak_rows <= evaluator.max_rows == 200 and evaluator.requested > 5
+    # The next evaluation starts from the size the rows per seed allowed: fewer, larger batches, the same bound.
+    first = evaluator.requested
+    assert evaluator._first_seeds > worst
+    assert evaluator.accuracy(model, "valid") == pytest.approx(want, abs=1e-6)
+    assert evaluator.requested - first < first and evaluator.peak_rows <= 200
     # First chunks sized above the bound (as a wrong estimate would be): dropped, sampled again, still exact.
     dropping = Evaluator(graph, cfg, 0, 1, "cpu")
     dropping._first_seeds = 50

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
@@ -402,37 +403,22 @@ def test_embedding_rows_ahead_are_brought_up_to_date(device):
     np.testing.assert_allclose(ahead.store.weight.numpy(), now.store.weight.numpy(), rtol=0, atol=1e-6)
 
 
-def test_depth_zero_prepares_each_batch_on_the_consumers_thread_when_asked(feat):
-    """A CPU worker's inline preparation: no thread; the source is read only when a batch is asked for, by the
-    consumer's own thread, and the batches are the same as the thread's."""
-    rows = [make_packed(i, num_seeds=1 + i % 5, epoch=i // 3) for i in range(7)]
-    readers, read = [], []
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE policy only")
+@pytest.mark.parametrize("idle", [False, True])
+def test_an_idle_prefetcher_prepares_after_the_first_batch_at_idle_priority(feat, idle):
+    """A CPU worker's own sampling: the first batch (the step waits for it) at normal priority, every later one
+    at idle priority, on the thread alone; a prefetcher not asked for it keeps its priority throughout."""
+    rows = [make_packed(i, num_seeds=1 + i % 5) for i in range(6)]
+    policies = []
 
     def source():
-        for i, row in enumerate(rows):
-            readers.append(threading.get_ident())
-            read.append(i)
+        for row in rows:
+            policies.append(os.sched_getscheduler(0))  # the preparing thread's policy
             yield row
 
-    p = Prefetcher(source(), feat, "cpu", depth=0)
-    assert p._thread is None and read == []  # nothing prepared ahead
-    for i in range(len(rows)):
-        check(next(p), rows[i], feat)
-        assert read == list(range(i + 1))  # exactly the batch asked for, no more
-    assert set(readers) == {threading.get_ident()}
-    for _ in range(2):
-        with pytest.raises(StopIteration):
-            next(p)
-    assert p._slots == []  # the buffers let go after the last row, as the thread does
-    close_or_fail(p)
-
-
-def test_depth_zero_raises_the_sources_error_in_the_consumer(feat):
-    def source():
-        yield make_packed(0, 3)
-        raise Boom("source failed")
-
-    with Prefetcher(source(), feat, "cpu", depth=0) as p:
-        next(p)
-        with pytest.raises(Boom):
-            next(p)
+    with Prefetcher(source(), feat, "cpu", depth=1, idle=idle) as p:
+        for i, mb in enumerate(p):
+            check(mb, rows[i], feat)
+    assert len(policies) == len(rows) and policies[0] != os.SCHED_IDLE
+    assert set(policies[1:]) == ({os.SCHED_IDLE} if idle else {policies[0]})
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the consumer's thread keeps its own
