@@ -193,8 +193,8 @@ def row_bound(num_nodes: int, slots: int) -> int:
 class _Here:
     """Sampling in this process, called as the actor is (``sample.remote``): without Ray, or for few seeds."""
 
-    def __init__(self, graph: Graph, fanouts, cfg: JobConfig, threads: int = 1):
-        self._sampler = make_sampler(graph, fanouts, cfg.sampler.backend, cfg.run.seed, threads)
+    def __init__(self, graph: Graph, fanouts, cfg: JobConfig):
+        self._sampler = make_sampler(graph, fanouts, cfg.sampler.backend, cfg.run.seed)  # one thread
         self.sample = self  # so that ``sample.remote(seeds)`` reads as for the actor
 
     def remote(self, seeds: np.ndarray) -> np.ndarray:
