@@ -1,8 +1,8 @@
 """Where a CPU train worker samples its batches: the job's idle-priority thread against the other two places.
 
 ``python -m bench.beside [--epochs 5]``: a train worker's own epoch (``train_epoch`` over ``device_batches``),
-without Ray, on arxiv structure (an arxiv-sized synthetic graph without it) with 128 random features, SAGE 3x256,
-fanouts 10,10,10, batch 1024, on the machine's threads. Its batches are prepared three ways in turn, epoch by epoch
+without Ray but in a job's environment, on arxiv structure (an arxiv-sized synthetic graph without it) with 128
+random features, SAGE 3x256, fanouts 10,10,10, batch 1024, on the machine's threads. Its batches are prepared three ways in turn, epoch by epoch
 in one process (the order reversed every other round, so that the machine's drift hits all alike): on a thread at
 idle priority (the job's), on a thread at normal priority, and on the step's own thread between steps with the
 sampler on all threads (what DGL's loop without loader workers does). Each epoch's seconds and cores busy; medians.
@@ -22,6 +22,11 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=5, help="epochs of each way (default: 5)")
     parser.add_argument("--json", help="where to write the figures")
     args = parser.parse_args(argv)
+    # The environment of a job's processes (driver/connect.py run_env), read as torch loads or first allocates:
+    # OpenMP's passive wait, and torch's huge pages for large blocks (without them steps here took 15-20% longer).
+    from gnnray.cpus import JOB_ENV
+    for name, value in {**JOB_ENV, "THP_MEM_ALLOC_ENABLE": "1"}.items():
+        os.environ.setdefault(name, value)
     import torch
 
     from gnnray.config import parse_args

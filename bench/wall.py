@@ -183,9 +183,21 @@ def rows_for(results: dict, s: Settings) -> list[Row]:
                    "num_workers=0", "", "start_s", None, "{:.1f} s"))
     rows = [compare(figure, target, ours_, base, key, meets, show=show)
             for ours_, base, figure, target, key, meets, show in wanted if ours_ is not None and base is not None]
+    if isinstance(loop0, dict) and (waits := loop_waits(loop0)):
+        w = statistics.median(waits)
+        rows.append(Row(f"{FIGURE}: the most hiding batches can give on these cores, 1 / (1 - the DGL loop's share "
+                        "of a training epoch spent getting its batches)", ours=f"{1 / (1 - w):.2f}x",
+                        baseline=f"share {w:.3f}", ratio="-", target="-", met="-", detail=dict(waits=waits)))
     if rows:
         rows[0].detail["all"] = results
     return rows
+
+
+def loop_waits(loop: dict) -> list:
+    """The DGL loop's ``data_wait`` in each round's long run, epochs after the first (its batch time; none before
+    the loop reported it)."""
+    return [e["data_wait"] for r in loop.get("rounds", []) for e in r["long"].get("epochs", [])[1:]
+            if "data_wait" in e]
 
 
 def process_table(results: dict) -> str:
