@@ -185,6 +185,17 @@ def spmm(csr: Csr, values: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return _SpMM.apply(csr, values, h)
 
 
+def project_first(csr: Csr, num_src: int, in_feats: int, out_feats: int) -> bool:
+    """Whether a layer's ``A @ h @ W`` costs fewer multiply-adds as ``A @ (h @ W)`` than as ``(A @ h) @ W``.
+
+    DGL projects first whenever ``in_feats > out_feats``, right for a full graph; a sampled block has several
+    sources per destination, so there projecting every source can cost more (arxiv's last layer, 256 -> 40
+    over 6,400 sources for 1,024 destinations: 6x more). Shapes only: nothing is read back.
+    """
+    projected = num_src * in_feats * out_feats + csr.nnz * out_feats
+    return projected < csr.nnz * in_feats + csr.num_rows * in_feats * out_feats
+
+
 def _inverse(counts: torch.Tensor, dtype: torch.dtype, power: float = -1.0) -> torch.Tensor:
     return counts.to(dtype).clamp(min=1).pow(power)
 
@@ -225,7 +236,8 @@ def attend(csr: Csr, feat: torch.Tensor, el: torch.Tensor, er: torch.Tensor, neg
 class SAGEConv(nn.Module):
     """``dgl.nn.SAGEConv(in_feats, out_feats, "mean")`` on a block: ``fc_self(h_dst) + fc_neigh(mean h_src)``.
 
-    Projects before averaging when ``in_feats > out_feats`` (fewer columns to move), as DGL does.
+    Projects before averaging only where that costs less (:func:`project_first`), and adds ``fc_self``'s
+    product into the neighbour term in place: one pass less over the output than a sum of two products.
     """
 
     def __init__(self, in_feats: int, out_feats: int):
@@ -238,11 +250,11 @@ class SAGEConv(nn.Module):
 
     def forward(self, layer, h: torch.Tensor) -> torch.Tensor:
         csr = Csr.of(layer)
-        if self.fc_neigh.in_features > self.fc_neigh.out_features:
-            neigh = mean(csr, self.fc_neigh(h))
+        if project_first(csr, h.shape[0], *self.fc_self.weight.shape[::-1]):
+            out = mean(csr, self.fc_neigh(h)) + self.fc_self.bias
         else:
-            neigh = self.fc_neigh(mean(csr, h))
-        return self.fc_self(h[:csr.num_rows]) + neigh
+            out = F.linear(mean(csr, h), self.fc_neigh.weight, self.fc_self.bias)
+        return out.addmm_(h[:csr.num_rows], self.fc_self.weight.t())
 
 
 class GraphConv(nn.Module):
@@ -269,7 +281,7 @@ class GraphConv(nn.Module):
         else:
             values = (_inverse(csr.col_counts(), h.dtype, -0.5).index_select(0, csr.indices)
                       * _inverse(csr.degrees(), h.dtype, -0.5).index_select(0, rows))
-        if self.weight.shape[0] > self.weight.shape[1]:
+        if project_first(csr, h.shape[0], *self.weight.shape):
             out = spmm(csr, values, h @ self.weight)
         else:
             out = spmm(csr, values, h) @ self.weight

@@ -30,7 +30,7 @@ from torch import nn
 
 from gnnray.errors import CheckpointError
 from gnnray.models.conv import Csr, GATConv, GraphConv, SAGEConv, attend, mean
-from gnnray.models.dropout import Dropout
+from gnnray.models.dropout import Dropout, relu_dropout
 
 MODELS = ("sage", "gat", "gcn", "rgat", "rsage")
 
@@ -59,7 +59,7 @@ class _LayeredGNN(nn.Module):
         """
         h = self.layers[i](layer, h)
         if i < self.num_layers - 1:
-            h = self.dropout(torch.relu(h))
+            h = relu_dropout(self.dropout, h)
         return h
 
 
@@ -306,7 +306,7 @@ class RSAGE(_Relational):
         else:
             out = out + torch.einsum("rmi,roi->mo", mean(plain, h).view(r, m, selfs.in_features), weight)
         if i < self.num_layers - 1:
-            out = self.dropout(torch.relu(out))
+            out = relu_dropout(self.dropout, out)
         return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -11,12 +11,16 @@ Chunks are sized by the rows they gather, not by their seeds: a chunk of
 (about 2 M rows, 0.8 GB of features), and the prefetcher holds several. Each
 chunk is meant to gather at most :attr:`Evaluator.max_rows` rows
 (``--eval-rows``, by default from the feature table: :func:`row_bound`): the
-first ones take the seeds that many rows can hold at worst (every sampled
-neighbor new), the next ones as many as the rows per seed seen in the last
-batch allow (fewer seeds sample more rows each, so that estimate is high). The
-next evaluation starts from the size its largest chunk led to: on arxiv with
-fanouts 10,10,10 the worst case allows 117 seeds a chunk, and 4,096 seeds
-sample 29.5 rows each against 212 for 117.
+first one takes the seeds that many rows can hold at worst (every sampled
+neighbor new), each next one as many as the rows per seed of the last batch
+allow. Fewer seeds sample more rows each (on arxiv with fanouts 10,10,10, 212 a
+seed for 117 seeds, 29.5 for 4,096), so that estimate alone grew chunks over
+twenty batches, sampling 1.6x the rows. So chunks first double, one request at
+a time, until one comes back over the bound or they reach
+``--eval-batch-size``: since a neighborhood of twice the seeds holds at most
+twice the rows, a dropped chunk sampled at most twice the bound's ids (and
+gathered nothing). Later evaluations start from the estimate the largest chunk
+gave, and do not double again.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class Evaluator:
         self.requested = self.consumed = self.peak_in_flight = 0
         self.max_rows = cfg.train.eval_rows or row_bound(graph.num_nodes, cfg.train.prefetch + 2)
         self._first_seeds = max(1, self.max_rows // rows_per_seed_at_most(graph, fanouts))
+        self._doubling = True  # until a chunk comes back over the bound or chunks reach --eval-batch-size
         self.peak_rows = self.resampled = 0  # the most rows a batch gathered; batches over the bound, dropped
 
     def _samples_here(self) -> bool:
@@ -130,7 +135,7 @@ class Evaluator:
         get = ray.get if not isinstance(self._sampler, _Here) else (lambda packed: packed)
         size, largest = self._chunk_seeds(), 0
         while todo or pending:
-            if todo and len(pending) < self.requests:
+            if todo and len(pending) < (1 if self._doubling else self.requests):
                 chunk, rest = todo[0][:size], todo[0][size:]
                 todo[0] = rest
                 if not len(rest):
@@ -141,22 +146,27 @@ class Evaluator:
             chunk, ref = pending.popleft()
             packed = get(ref)
             rows = int(packed[4])  # MiniBatch.pack's header: magic, epoch, layers, seeds, input nodes
-            size = self._chunk_seeds(len(chunk), rows)
+            fit, grow = self._chunk_seeds(len(chunk), rows), self._doubling and rows <= self.max_rows
+            size = self._chunk_seeds(len(chunk), rows, 2 * len(chunk) if grow else 0)
+            self._doubling = grow and size < self._cfg.train.eval_batch_size
             if rows > self.max_rows and len(chunk) > 1:
+                # A smaller chunk samples more rows a seed than this one: the last chunk under the bound sizes
+                # better (its estimate errs low).
+                size = min(size, self._first_seeds) if largest else size
                 todo.appendleft(chunk)
                 self.consumed += 1  # out of flight, not computed
                 self.resampled += 1
                 continue
             self.peak_rows = max(self.peak_rows, rows)
             if len(chunk) >= largest:  # the next call starts where this one's full chunks arrived, not at worst
-                largest, self._first_seeds = len(chunk), size
+                largest, self._first_seeds = len(chunk), fit
             yield packed
 
-    def _chunk_seeds(self, seeds: int = 0, rows: int = 0) -> int:
+    def _chunk_seeds(self, seeds: int = 0, rows: int = 0, doubled: int = 0) -> int:
         """Seeds of the next chunk: those :attr:`max_rows` rows hold at ``rows / seeds`` rows per seed (at worst,
-        before any batch came back), at most ``--eval-batch-size``."""
+        before any batch came back), or ``doubled`` if more, at most ``--eval-batch-size``."""
         fit = self._first_seeds if not rows else int(0.9 * self.max_rows * seeds / rows)
-        return max(1, min(self._cfg.train.eval_batch_size, fit))
+        return max(1, min(self._cfg.train.eval_batch_size, max(fit, doubled)))
 
     def _batches(self, ids: np.ndarray):
         """The mini-batches of ``ids``, prepared ahead on a thread when there are several.

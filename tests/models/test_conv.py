@@ -83,7 +83,7 @@ LAYERS = {
 
 @pytest.mark.dgl
 @pytest.mark.parametrize("case", LAYERS)
-@pytest.mark.parametrize("in_feats, out_feats", [(16, 5), (5, 16)])  # projects before averaging, and after
+@pytest.mark.parametrize("in_feats, out_feats", [(16, 5), (5, 16)])  # both orders of projecting and averaging
 def test_sageconv_equals_dgl(case, in_feats, out_feats):
     from dgl.nn import SAGEConv as DGLSAGEConv
 
@@ -290,3 +290,43 @@ def test_cpu_dropout_mask_is_the_same_on_any_thread_count():
     assert torch.equal(masks[0], masks[1])
     values = masks[0].unique().tolist()
     assert len(values) == 2 and values[0] == 0 and values[1] == pytest.approx(1 / 0.7)
+
+
+def test_layers_project_before_averaging_only_where_it_costs_less(monkeypatch):
+    """Sampled blocks have several sources per destination: arxiv's last layer (256 -> 40 over 6,419 sources for
+    1,024 destinations) averages first, a full graph's projects first when it narrows; either order gives the
+    same outputs and gradients."""
+    import gnnray.models.conv as conv
+
+    last = Layer(torch.arange(1025) * 6, torch.zeros(6144, dtype=torch.int64), 6419)
+    assert not conv.project_first(Csr.of(last), 6419, 256, 40)
+    full = Layer(torch.arange(101) * 6, torch.zeros(600, dtype=torch.int64), 100)
+    assert conv.project_first(Csr.of(full), 100, 256, 40) and not conv.project_first(Csr.of(full), 100, 40, 256)
+    layer = random_layer(num_src=60, num_dst=25, fanout=6)
+    x = torch.randn(60, 16, generator=torch.Generator().manual_seed(2))
+    for module in (SAGEConv(16, 5), GraphConv(16, 5)):
+        runs = []
+        for first in (True, False):
+            monkeypatch.setattr(conv, "project_first", lambda *args, first=first: first)
+            runs.append(run(lambda h: module(layer, h), x, dict(module.named_parameters())))
+        assert_same(*runs)
+
+
+def test_relu_dropout_is_dropout_after_relu_in_one_pass():
+    """``relu_dropout``: the same outputs and gradients as ``Dropout(relu(x))`` for the same seed (the same mask),
+    NaN kept and negatives zero as torch's ReLU (a NaN's gradient is 0 here), plain ReLU in evaluation."""
+    from gnnray.models.dropout import Dropout, relu_dropout
+
+    drop = Dropout(0.3).train()
+    x = torch.randn(301, 70)  # an odd length: the last word of draws is cut
+    x[0, :3] = torch.tensor([float("nan"), -0.0, 0.0])
+    weight = torch.randn(x.shape)
+    torch.manual_seed(4)
+    want = run(lambda h: drop(torch.relu(h)), x, {}, weight)
+    torch.manual_seed(4)
+    got = run(lambda h: relu_dropout(drop, h), x, {}, weight)
+    torch.testing.assert_close(got[0], want[0], equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(got[1][1:], want[1][1:], rtol=0, atol=0)
+    torch.testing.assert_close(got[1][0, 1:], want[1][0, 1:], rtol=0, atol=0)
+    assert (got[0][x < 0] == 0).all() and 0.6 < float((got[0][x > 0] != 0).float().mean()) < 0.8
+    assert torch.equal(relu_dropout(drop.eval(), x[1:]), torch.relu(x[1:]))

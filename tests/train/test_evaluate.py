@@ -90,6 +90,43 @@ def test_evaluation_batches_are_bounded_by_rows_not_seeds(big_tiny):
     assert dropping.resampled >= 1 and dropping.peak_rows <= 200
 
 
+def hub_graph(num_nodes: int = 6000, hubs: int = 300, degree: int = 8):
+    """Every node's in-neighbors among a few hubs: the more seeds a chunk holds, the fewer rows each samples."""
+    from gnnray.data.csc import csc_from_edges
+    from gnnray.data.graph import Graph
+
+    rng = np.random.default_rng(0)
+    dst, src = np.repeat(np.arange(num_nodes), degree), rng.integers(0, hubs, num_nodes * degree)
+    indptr, indices = csc_from_edges(src, dst, num_nodes)
+    perm, a = rng.permutation(num_nodes), num_nodes // 6
+    return Graph(indptr, indices, rng.standard_normal((num_nodes, 4)).astype(np.float32),
+                 rng.integers(0, 3, num_nodes).astype(np.int64), np.sort(perm[:a]), np.sort(perm[a:]),
+                 np.sort(perm[:0]), 3, "hubs")
+
+
+def test_evaluation_chunks_double_until_the_bound_then_keep_their_size():
+    """Where rows per seed fall as chunks grow, the first evaluation doubles its chunks, one request at a time,
+    until one comes back over ``--eval-rows`` (dropped, sampled again smaller); the next evaluation starts from the
+    size found and keeps about it. Every batch stays under the bound."""
+    graph = hub_graph()
+    cfg = JobConfig(sampler=SamplerConfig(fanouts=(5, 5)), model=ModelConfig(hidden=8, dropout=0.0),
+                    train=TrainConfig(eval_rows=1000, prefetch=1))
+    model = mean_sage(graph.feat_dim, 8, graph.num_classes).eval()
+    evaluator = Evaluator(graph, cfg, 0, 1, "cpu")
+    asked, sample = [], evaluator._sampler.remote
+    evaluator._sampler.remote = lambda seeds: asked.append(len(seeds)) or sample(seeds)
+    evaluator.accuracy(model, "valid")
+    first = asked[:]
+    over = next(i for i in range(1, len(first)) if first[i] < first[i - 1])  # the chunk after the dropped one
+    assert over >= 4 and all(b >= 2 * a for a, b in zip(first[:over - 1], first[1:over])), first
+    assert evaluator.resampled == 1 and evaluator.peak_rows <= 1000
+    asked.clear()
+    evaluator.accuracy(model, "valid")
+    found = first[over - 2]  # the largest chunk under the bound
+    assert asked[0] >= 0.9 * found and len(asked) <= -(-len(graph.split("valid")) // int(0.8 * found)) + 1, asked
+    assert evaluator.peak_rows <= 1000
+
+
 def test_default_row_bound_follows_the_feature_table():
     """Half the table's rows over the prefetcher's buffers (a quarter of growth each), at least 2^17 per batch: a
     products-sized graph's 4,096-seed batch (about 2 M rows) is cut to a fraction of it."""
