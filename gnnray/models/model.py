@@ -299,7 +299,7 @@ class RSAGE(_Relational):
         plain, spread = relation_patterns(layer, r)
         weight = torch.stack([lin.weight for lin in convs])  # (r, out, in)
         out = selfs(h[:m])
-        # Project before averaging when that narrows the rows to move, as SAGEConv does.
+        # Project before averaging when that narrows the rows to move (DGL's rule; SAGEConv compares costs instead).
         if selfs.in_features > selfs.out_features:
             proj = nn.functional.linear(h, weight.flatten(0, 1)).view(n * r, selfs.out_features)  # row u * r + j
             out = out + mean(spread, proj).view(r, m, selfs.out_features).sum(0)
