@@ -62,7 +62,8 @@ def _fill_mask(key, threshold, scale, out, lo, hi):
 def _relu_keep(key, threshold, scale, x, out, lo, hi):
     """``out[i] = relu(x[i]) * mask[i]`` for the elements of words ``[lo, hi)``, ``mask`` as :func:`_fill_mask`
     draws it (the same key gives the same mask). ``v > 0`` rather than ``max``: NaN stays NaN, as torch's ReLU.
-    Loops index slices from 0, so that numba knows no index is negative and vectorises them (5x faster)."""
+    Loops index slices from 0, so that numba knows no index is negative and vectorises them (5x faster); full
+    words apart from the last, partial one (one loop with ``min(4, ...)`` inside ran 2.5-4x slower)."""
     c = np.uint64(65536) - threshold
     xs, os_ = x[4 * lo:4 * hi], out[4 * lo:4 * hi]
     for w in range(xs.shape[0] // 4):
